@@ -1,0 +1,57 @@
+"""kamera_engine: the embedded engine (models, RoPE, the KV operator, forward and decode).
+
+Layering: this package never imports ``kamera_sdk``. Public names are listed in ``__all__``.
+"""
+
+from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
+from .decode import SamplingParams
+from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home
+from .engine import Engine, EngineCounters, EngineInfo
+from .errors import (
+    ChecksumError,
+    ChunkNotFoundError,
+    FingerprintMismatchError,
+    InvalidInputError,
+    KameraError,
+    MediaError,
+    ModelLoadError,
+    StoreError,
+    UnsupportedModelError,
+    WindowOperationError,
+)
+from .kv import KV
+from .operator import Patch, apply_patch, conditioning_delta, form_patch, make_free, relocate
+from .rope import RopeSpec, rotate_keys
+
+__all__ = [
+    "ADAPTERS",
+    "DEFAULT_MODEL_NAME",
+    "INSTALL_HINT",
+    "KV",
+    "ChecksumError",
+    "ChunkNotFoundError",
+    "Engine",
+    "EngineCounters",
+    "EngineInfo",
+    "FingerprintMismatchError",
+    "InvalidInputError",
+    "KameraError",
+    "MediaError",
+    "ModelAdapter",
+    "ModelLoadError",
+    "Patch",
+    "RopeSpec",
+    "SamplingParams",
+    "StoreError",
+    "UnsupportedModelError",
+    "WindowOperationError",
+    "adapter_for",
+    "apply_patch",
+    "conditioning_delta",
+    "form_patch",
+    "kamera_home",
+    "make_free",
+    "register",
+    "relocate",
+    "rotate_keys",
+]

@@ -1,0 +1,88 @@
+"""The adapter contract: everything Kamera needs to know about one model family.
+
+An adapter says where the rotary embedding lives, how keys are laid out (rope style, partial rotary)
+and which configurations it refuses. All access to transformers model internals goes through here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..rope import RopeSpec, check_rope_type
+
+
+class ModelAdapter:
+    """Base adapter for decoder-only transformers with RoPE attention (GQA / MHA)."""
+
+    #: Registry name of the family.
+    name: ClassVar[str] = "base"
+    #: transformers ``config.model_type`` values served by this adapter.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: Pairing of rotary features: "half" (i, i + r/2) or "interleaved" (2i, 2i + 1).
+    rope_style: ClassVar[str] = "half"
+    #: Keys are normalised (q/k-norm) before RoPE; relocation is unaffected but worth knowing.
+    keys_normalised: ClassVar[bool] = False
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.validate(config)
+
+    # --- model access -------------------------------------------------------------------------
+    def decoder(self, model: nn.Module) -> nn.Module:
+        """The base decoder module (owns the layers and the rotary embedding)."""
+        return model.model
+
+    def rotary_module(self, model: nn.Module) -> nn.Module:
+        return self.decoder(model).rotary_emb
+
+    # --- checks -------------------------------------------------------------------------------
+    def validate(self, config: Any) -> None:
+        """Refuse configurations the operator cannot serve exactly."""
+
+    def max_context(self) -> int | None:
+        """Longest window whose attention is position-independent of cache layout (sliding windows)."""
+        window = getattr(self.config, "sliding_window", None)
+        if window and getattr(self.config, "use_sliding_window", True):
+            return int(window)
+        return None
+
+    # --- rope ---------------------------------------------------------------------------------
+    def rope_spec(self, model: nn.Module, head_dim: int) -> RopeSpec:
+        rot = self.rotary_module(model)
+        rope_type = str(getattr(rot, "rope_type", "default"))
+        check_rope_type(self.model_name(), rope_type)
+        inv_freq = rot.inv_freq.detach().to("cpu", torch.float32).clone()
+        rotary_dim = 2 * int(inv_freq.shape[0])
+        if rotary_dim > head_dim:
+            raise UnsupportedModelError(
+                f"{self.model_name()}: rotary dim {rotary_dim} exceeds head dim {head_dim}"
+            )
+        return RopeSpec(inv_freq, rotary_dim, head_dim, rope_type, self.rope_style)
+
+    def model_name(self) -> str:
+        return str(getattr(self.config, "_name_or_path", "") or getattr(self.config, "model_type", "model"))
+
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {}
+
+
+def register(cls: type[ModelAdapter]) -> type[ModelAdapter]:
+    """Class decorator: make ``cls`` serve its ``model_types``."""
+    for model_type in cls.model_types:
+        ADAPTERS[model_type] = cls
+    return cls
+
+
+def adapter_for(config: Any) -> ModelAdapter:
+    """The adapter instance for a transformers config, or a clear error."""
+    model_type = getattr(config, "model_type", None)
+    cls = ADAPTERS.get(model_type or "")
+    if cls is None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has no Kamera adapter; supported: {sorted(ADAPTERS)}"
+        )
+    return cls(config)

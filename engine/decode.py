@@ -1,0 +1,128 @@
+"""Kamera's own decode loop: greedy or temperature/top-p sampling, stop strings, EOS, streaming.
+
+It continues from a transformers cache built over an assembled window, with explicit positions, which
+``generate()`` does not support reliably.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import InvalidInputError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise InvalidInputError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from next-token logits (vocab,)."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        cut = cum - sorted_p > params.top_p  # drop tokens once the kept mass already reaches top_p
+        sorted_p[cut] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+@torch.inference_mode()
+def decode_tokens(
+    model: nn.Module,
+    cache: object,
+    first_logits: torch.Tensor,
+    next_position: int,
+    params: SamplingParams,
+) -> Iterator[int]:
+    """Yield generated token ids, feeding each back at its explicit position."""
+    params.validate()
+    device = next(model.parameters()).device
+    generator = None
+    if params.seed is not None and params.temperature > 0:
+        generator = torch.Generator(device="cpu").manual_seed(params.seed)
+    logits = first_logits
+    pos = next_position
+    for _ in range(params.max_new_tokens):
+        token = pick_token(logits.cpu(), params, generator)
+        yield token
+        if token in params.eos_token_ids:
+            return
+        out = model(
+            input_ids=torch.tensor([[token]], device=device),
+            position_ids=torch.tensor([[pos]], device=device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = out.logits[0, -1].float()
+        pos += 1
+
+
+def stream_text(tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> Iterator[str]:
+    """Turn a token stream into text pieces; stop at EOS or a stop string (the stop string is not emitted).
+
+    Pieces are emitted only once they cannot be the start of a stop string and contain no partial
+    UTF-8 character.
+    """
+    ids: list[int] = []
+    emitted = 0
+    for token in tokens:
+        if token in params.eos_token_ids:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        cut = _first_stop(text, params.stop, emitted)
+        if cut is not None:
+            if cut > emitted:
+                yield text[emitted:cut]
+            return
+        safe = len(text) - _held_back(text, params.stop)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if safe > emitted:
+            yield text[emitted:safe]
+            emitted = safe
+    text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+    cut = _first_stop(text, params.stop, emitted)
+    end = cut if cut is not None else len(text)
+    if end > emitted:
+        yield text[emitted:end]
+
+
+def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    hits = [text.find(s, max(0, start - len(s))) for s in stops if s]
+    hits = [h for h in hits if h >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best

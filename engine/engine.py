@@ -1,0 +1,313 @@
+"""The embedded engine: a transformers model driven with caches Kamera assembles itself.
+
+The engine knows tensors and models: tokenization, the chat frame around a window, forward passes at
+explicit positions, canonical compilation, and the operator bound to this model's RoPE. It knows
+nothing about chunks, windows or policies (that is ``kamera_sdk``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from . import operator as op
+from .adapters import ModelAdapter, adapter_for
+from .attention import resolve_attention
+from .decode import SamplingParams, decode_tokens, stream_text
+from .default_model import DEFAULT_MODEL_NAME, ensure_converted
+from .errors import InvalidInputError, ModelLoadError, UnsupportedModelError
+from .fingerprint import model_fingerprint
+from .kv import KV
+from .operator import Patch
+from .rope import RopeSpec
+from .runner import ForwardResult, run_forward
+
+_SENTINEL = "\u2063KAMERA\u2063"
+
+
+class EngineInfo(BaseModel):
+    """What model an engine runs and how its KV is laid out."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    family: str
+    num_layers: int
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+    rotary_dim: int
+    rope_type: str
+    dtype: str
+    device: str
+    attention: str
+    anchor_tokens: int
+
+
+class EngineCounters(BaseModel):
+    """Work the engine has done (read by window stats and benchmarks)."""
+
+    forwards: int = 0
+    tokens_prefilled: int = 0
+    forward_s: float = 0.0
+
+
+class Engine:
+    """A model plus everything needed to prefill, relocate, patch and decode its KV."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any | None = None,
+        *,
+        name: str | None = None,
+        anchor_ids: Sequence[int] | None = None,
+        attention: str | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
+        self.adapter: ModelAdapter = adapter_for(model.config)
+        self.attention = attention or str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+        self.counters = EngineCounters()
+        probe = self._probe_shapes()
+        self.num_layers, self.num_kv_heads, self.key_dim, self.value_dim = probe
+        self.rope: RopeSpec = self.adapter.rope_spec(model, self.key_dim)
+        if anchor_ids is not None:
+            self.anchor_ids = [int(i) for i in anchor_ids]
+            self.prompt_suffix_ids: list[int] = []
+        else:
+            self.anchor_ids, self.prompt_suffix_ids = self._chat_frame()
+
+    # --- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        attn: str | None = None,
+    ) -> Engine:
+        """Load the embedded default model (``model=None``) or a Hugging Face id / local path.
+
+        ``device``: ``"cpu"``, ``"cuda"``... (default: cuda when available). ``dtype``: default float32
+        on CPU, bfloat16 on GPU. ``attn``: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"`` (default:
+        flash-attn when CUDA and the package are present, else SDPA). No network access is attempted
+        for the default model.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = _resolve_dtype(dtype, dev)
+        attention = resolve_attention(attn, dev)
+        if model is None:
+            path: str | Path = ensure_converted()
+            name = DEFAULT_MODEL_NAME
+        else:
+            path, name = model, str(model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"could not load the tokenizer of {name}: {exc}") from exc
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch_dtype, attn_implementation=attention
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"could not load model {name}: {exc}") from exc
+        return cls(hf_model.to(dev), tokenizer, name=name, attention=attention)
+
+    def _probe_shapes(self) -> tuple[int, int, int, int]:
+        """Layers, KV heads and key/value dims, read off a one-token forward (family independent)."""
+        res = run_forward(self.model, torch.tensor([0]), None, 0, logits="none")
+        n_layers, _, n_heads, dk = res.kv.keys.shape
+        return int(n_layers), int(n_heads), int(dk), int(res.kv.values.shape[-1])
+
+    def _chat_frame(self) -> tuple[list[int], list[int]]:
+        """Anchor (chat template up to the user's content) and prompt suffix (after it) token ids."""
+        tok = self.tokenizer
+        if tok is None:
+            return [], []
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": _SENTINEL}], add_generation_prompt=True, tokenize=False
+            )
+            head, _, tail = text.partition(_SENTINEL)
+            return self.tokenize(head), self.tokenize(tail)
+        bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
+        return bos, []
+
+    # --- identity -----------------------------------------------------------------------------
+    @cached_property
+    def fingerprint(self) -> str:
+        """Architecture + weights digest; stored KV is keyed by it."""
+        return model_fingerprint(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.name,
+            family=self.adapter.name,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+            rotary_dim=self.rope.rotary_dim,
+            rope_type=self.rope.rope_type,
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device),
+            attention=self.attention,
+            anchor_tokens=len(self.anchor_ids),
+        )
+
+    # --- text ---------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidInputError("this engine has no tokenizer; pass token ids instead of text")
+        if not isinstance(text, str):
+            raise InvalidInputError(f"text must be str, got {type(text).__name__}")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The question plus the chat frame's closing (end of user turn, assistant start)."""
+        return self.tokenize(prompt) + self.prompt_suffix_ids
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return tuple(sorted(ids))
+
+    # --- forward passes -----------------------------------------------------------------------
+    def forward(
+        self, ids: Sequence[int] | torch.Tensor, past: KV | None, start: int, *, logits: str = "last"
+    ) -> ForwardResult:
+        """Prefill ``ids`` at positions ``start...`` after ``past``; counted in ``counters``."""
+        input_ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long)
+        limit = self.adapter.max_context()
+        total = start + int(input_ids.numel())
+        if limit is not None and total > limit:
+            raise UnsupportedModelError(
+                f"{self.name}: window of {total} tokens exceeds the sliding window ({limit}); "
+                "sliding-window attention is not position-free"
+            )
+        t0 = time.perf_counter()
+        res = run_forward(self.model, input_ids, past, start, logits=logits)
+        self.counters.forwards += 1
+        self.counters.tokens_prefilled += int(input_ids.numel())
+        self.counters.forward_s += time.perf_counter() - t0
+        return res
+
+    @cached_property
+    def anchor_kv(self) -> KV:
+        """KV of the fixed anchor (chat header) at positions 0.., computed once."""
+        if not self.anchor_ids:
+            empty_k = torch.empty(self.num_layers, 0, self.num_kv_heads, self.key_dim, dtype=self.dtype)
+            empty_v = torch.empty(self.num_layers, 0, self.num_kv_heads, self.value_dim, dtype=self.dtype)
+            return KV(empty_k, empty_v, torch.empty(0, dtype=torch.long))
+        return self.forward(self.anchor_ids, None, 0, logits="none").kv.to("cpu")
+
+    def canonical(self, ids: Sequence[int], *, anchored: bool = True) -> KV:
+        """KV(B | ∅): the chunk alone after the fixed anchor, position-free (keys at angle 0).
+
+        ``anchored=False`` computes it with no anchor at all (the chunk's first token becomes an
+        attention sink); kept for the benchmark that chooses between the two.
+        """
+        if len(ids) == 0:
+            raise InvalidInputError("a chunk needs at least one token")
+        past = self.anchor_kv if anchored and self.anchor_ids else None
+        start = len(self.anchor_ids) if past is not None else 0
+        res = self.forward(ids, None if past is None else past, start, logits="none")
+        return op.make_free(res.kv.to("cpu"), self.rope)
+
+    # --- the operator, bound to this model's RoPE ---------------------------------------------
+    def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
+        return op.relocate(kv, self.rope, target, exact=exact)
+
+    def make_free(self, kv: KV) -> KV:
+        return op.make_free(kv, self.rope)
+
+    def form_patch(
+        self,
+        conditioned: KV | Sequence[KV],
+        canonical: KV,
+        rank: int,
+        *,
+        layers: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Patch:
+        return op.form_patch(conditioned, canonical, self.rope, rank, layers=layers, dtype=dtype)
+
+    def apply(
+        self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False
+    ) -> KV:
+        return op.apply_patch(canonical, patch, self.rope, target, exact=exact)
+
+    def deep_layers(self, fraction: float = 0.5) -> list[int]:
+        """The deepest ``fraction`` of layers (the deep-only patch variant)."""
+        if not 0 < fraction <= 1:
+            raise InvalidInputError(f"fraction must be in (0, 1], got {fraction}")
+        n = max(1, round(self.num_layers * fraction))
+        return list(range(self.num_layers - n, self.num_layers))
+
+    # --- reading out ----------------------------------------------------------------------------
+    def next_token_logprobs(self, past: KV | None, prompt_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Log-probabilities (vocab,) of the token after ``prompt_ids`` placed at ``start``."""
+        res = self.forward(prompt_ids, past, start, logits="last")
+        return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()
+
+    def generate_ids(
+        self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams
+    ) -> Iterator[int]:
+        res = self.forward(prompt_ids, past, start, logits="last")
+        if not params.eos_token_ids:
+            params.eos_token_ids = self.eos_token_ids
+        return decode_tokens(self.model, res.cache, res.logits[-1], start + len(prompt_ids), params)
+
+    def generate(
+        self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams
+    ) -> Iterator[str]:
+        """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""
+        if self.tokenizer is None:
+            raise InvalidInputError("this engine has no tokenizer; use generate_ids")
+        if not params.eos_token_ids:
+            params.eos_token_ids = self.eos_token_ids
+        return stream_text(self.generate_ids(past, prompt_ids, start, params), self.tokenizer, params)
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise InvalidInputError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
+    return table[dtype]

@@ -1,0 +1,77 @@
+"""Kamera's exceptions, in one place.
+
+The tree::
+
+    KameraError
+    ├── UnsupportedModelError      a model family, RoPE variant or feature the operator cannot serve exactly
+    ├── ModelLoadError             weights or tokenizer could not be found or loaded
+    ├── InvalidInputError          malformed user input (bad ids, shapes, ranks, positions, arguments)
+    │   └── MediaError             an image / video that does not decode, a refused or oversized URL
+    ├── ChunkNotFoundError         a chunk id the window or store does not know
+    ├── WindowOperationError       an operation that is invalid for the window's current state
+    └── StoreError                 a stored entry that cannot be used
+        ├── FingerprintMismatchError   an entry written by another model
+        └── ChecksumError              an entry whose bytes do not match their checksum
+
+Lower-level errors (torch, transformers, sqlite, redis, httpx) are converted at the boundary with
+``raise ... from exc`` so callers only need to catch ``KameraError``. The SDK re-exports all of them.
+"""
+
+from __future__ import annotations
+
+
+class KameraError(Exception):
+    """Base class of every error Kamera raises on purpose."""
+
+
+class UnsupportedModelError(KameraError):
+    """The model (family, RoPE scaling, attention layout) is not supported exactly."""
+
+
+class ModelLoadError(KameraError):
+    """Weights, config or tokenizer could not be loaded."""
+
+
+class InvalidInputError(KameraError, ValueError):
+    """User input is malformed: it names the argument and what was wrong."""
+
+
+class MediaError(InvalidInputError):
+    """An image or video input could not be fetched or decoded."""
+
+
+class ChunkNotFoundError(KameraError, KeyError):
+    """A chunk id is unknown to the window or the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "chunk not found"
+
+
+class WindowOperationError(KameraError):
+    """The operation is not valid for the window's current state (nothing was changed)."""
+
+
+class StoreError(KameraError):
+    """A stored entry could not be read or written."""
+
+
+class FingerprintMismatchError(StoreError):
+    """The entry was written by a different model (fingerprint differs)."""
+
+
+class ChecksumError(StoreError):
+    """The entry's bytes do not match the checksum recorded when it was written."""
+
+
+__all__ = [
+    "ChecksumError",
+    "ChunkNotFoundError",
+    "FingerprintMismatchError",
+    "InvalidInputError",
+    "KameraError",
+    "MediaError",
+    "ModelLoadError",
+    "StoreError",
+    "UnsupportedModelError",
+    "WindowOperationError",
+]

@@ -1,0 +1,106 @@
+"""The KV container the engine and the SDK pass around.
+
+Layout is token-major and stacked over layers: ``keys (L, T, H, Dk)``, ``values (L, T, H, Dv)``.
+Token-major makes chunk concatenation and slicing a single ``cat``/view over all layers, and lets the
+rank-m patch be one batched GEMM over ``(L, T, H * D)``. transformers' caches are ``(B, H, T, D)`` per
+layer; :func:`to_cache` / :func:`KV.from_cache` convert at the boundary.
+
+``positions`` says which frame the keys are in: ``None`` = position-free (every key rotated to angle 0,
+what Kamera stores), otherwise the (T,) absolute positions the keys are rotated to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from .errors import InvalidInputError
+
+
+@dataclass(slots=True)
+class KV:
+    """Keys and values of a run of tokens, all layers stacked."""
+
+    keys: torch.Tensor  # (L, T, H, Dk)
+    values: torch.Tensor  # (L, T, H, Dv)
+    positions: torch.Tensor | None = None  # (T,) long, or None when position-free
+
+    def __post_init__(self) -> None:
+        if self.keys.ndim != 4 or self.values.ndim != 4:
+            raise InvalidInputError(
+                f"KV wants (L, T, H, D) tensors, got keys {tuple(self.keys.shape)}, "
+                f"values {tuple(self.values.shape)}"
+            )
+        if self.keys.shape[:3] != self.values.shape[:3]:
+            raise InvalidInputError(
+                f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} disagree on (L, T, H)"
+            )
+        if self.positions is not None and self.positions.shape != (self.keys.shape[1],):
+            raise InvalidInputError(
+                f"positions shape {tuple(self.positions.shape)} != ({self.keys.shape[1]},)"
+            )
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    @property
+    def is_free(self) -> bool:
+        return self.positions is None
+
+    def slice(self, start: int, stop: int) -> KV:
+        """Tokens ``[start, stop)`` as views (no copy)."""
+        pos = None if self.positions is None else self.positions[start:stop]
+        return KV(self.keys[:, start:stop], self.values[:, start:stop], pos)
+
+    def clone(self) -> KV:
+        pos = None if self.positions is None else self.positions.clone()
+        return KV(self.keys.clone(), self.values.clone(), pos)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KV:
+        pos = None if self.positions is None else self.positions.to(device) if device else self.positions
+        return KV(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), pos)
+
+    @staticmethod
+    def cat(parts: Sequence[KV]) -> KV:
+        """Concatenate placed KVs along tokens (one copy over all layers)."""
+        if not parts:
+            raise InvalidInputError("KV.cat needs at least one part")
+        if any(p.positions is None for p in parts) and not all(p.positions is None for p in parts):
+            raise InvalidInputError("cannot concatenate placed and position-free KV")
+        keys = torch.cat([p.keys for p in parts], dim=1)
+        values = torch.cat([p.values for p in parts], dim=1)
+        pos = None if parts[0].positions is None else torch.cat([p.positions for p in parts])  # type: ignore[misc]
+        return KV(keys, values, pos)
+
+    @staticmethod
+    def from_cache(cache: DynamicCache, start: int, stop: int, positions: torch.Tensor | None) -> KV:
+        """Tokens ``[start, stop)`` of a transformers cache (batch 0), as a placed KV."""
+        keys = torch.stack([layer.keys[0, :, start:stop] for layer in cache.layers])  # (L, H, T, D)
+        values = torch.stack([layer.values[0, :, start:stop] for layer in cache.layers])
+        # (L, H, T, D) -> (L, T, H, D)
+        return KV(keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), positions)
+
+
+def to_cache(kv: KV | None, config: Any) -> DynamicCache:
+    """A transformers ``DynamicCache`` holding ``kv`` (empty when ``kv`` is None)."""
+    cache = DynamicCache(config=config)
+    if kv is None or len(kv) == 0:
+        return cache
+    for layer in range(kv.num_layers):
+        # (T, H, D) -> (1, H, T, D)
+        k = kv.keys[layer].transpose(0, 1).unsqueeze(0)
+        v = kv.values[layer].transpose(0, 1).unsqueeze(0)
+        cache.update(k, v, layer)
+    return cache

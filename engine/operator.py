@@ -1,0 +1,219 @@
+"""The position-free KV operator (core paper §3 and appendix A).
+
+    KV^(B | A) = R(p) · [ KV(B | ∅) + U_m V_m^T ]
+
+* ``KV(B | ∅)`` is the chunk's canonical, stored position-free (keys un-rotated to angle 0);
+* ``R(p)`` rotates the rotary features of the keys to the target positions, exactly (see ``rope``);
+* ``U_m V_m^T`` is the rank-m conditioning patch: per layer, the top-m SVD factors of
+  ``Delta = KV(B | A) - KV(B | ∅)`` taken in the position-free frame, with the KV heads stacked into the
+  feature axis, separately for K and V. Because Delta is formed position-free, one patch serves any
+  target position; it depends on the antecedent's content only.
+
+Forming costs one conditioned forward (done by the caller); applying costs a rotation and a batched
+GEMM, no forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidInputError
+from .kv import KV
+from .rope import RopeSpec, apply_rotation_, rotate_keys, rotation_table
+
+
+@dataclass(slots=True)
+class Patch:
+    """Rank-m conditioning patch of one chunk, position-free.
+
+    Factors cover ``layers`` (all layers, or only the deepest ones): ``k_u (Lp, T, m)`` already scaled
+    by the singular values, ``k_vt (Lp, m, H * Dk)``; likewise ``v_u``, ``v_vt`` for values.
+    """
+
+    k_u: torch.Tensor  # (Lp, T, m)
+    k_vt: torch.Tensor  # (Lp, m, H*Dk)
+    v_u: torch.Tensor  # (Lp, T, m)
+    v_vt: torch.Tensor  # (Lp, m, H*Dv)
+    layers: tuple[int, ...]
+
+    @property
+    def rank(self) -> int:
+        return int(self.k_u.shape[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k_u.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_u, self.k_vt, self.v_u, self.v_vt))
+
+    def truncate(self, rank: int) -> Patch:
+        """The same patch at a lower rank (SVD factors are ordered by singular value)."""
+        if rank > self.rank:
+            raise InvalidInputError(f"cannot raise a rank-{self.rank} patch to rank {rank}")
+        return Patch(
+            self.k_u[..., :rank], self.k_vt[:, :rank], self.v_u[..., :rank], self.v_vt[:, :rank], self.layers
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat dict for storage (safetensors)."""
+        return {
+            "k_u": self.k_u.contiguous(),
+            "k_vt": self.k_vt.contiguous(),
+            "v_u": self.v_u.contiguous(),
+            "v_vt": self.v_vt.contiguous(),
+            "layers": torch.tensor(self.layers, dtype=torch.int64),
+        }
+
+    @staticmethod
+    def from_tensors(t: dict[str, torch.Tensor]) -> Patch:
+        return Patch(t["k_u"], t["k_vt"], t["v_u"], t["v_vt"], tuple(int(x) for x in t["layers"].tolist()))
+
+
+def make_free(kv: KV, spec: RopeSpec) -> KV:
+    """Un-rotate a placed KV to the position-free frame (exact, float64 rotation)."""
+    if kv.positions is None:
+        return kv
+    zeros = torch.zeros_like(kv.positions)
+    keys = rotate_keys(kv.keys, spec, zeros, kv.positions)
+    return KV(keys, kv.values, None)
+
+
+def relocate(kv: KV, spec: RopeSpec, target: torch.Tensor | int, *, exact: bool = True) -> KV:
+    """Move a KV to ``target`` positions with one rotation from its current frame (never chained).
+
+    ``target`` is the (T,) absolute positions or the first position of a contiguous run.
+    """
+    n = len(kv)
+    tgt = torch.arange(target, target + n) if isinstance(target, int) else target.to(torch.long)
+    keys = rotate_keys(kv.keys, spec, tgt, kv.positions, exact=exact)
+    return KV(keys, kv.values, tgt)
+
+
+def _stack_heads(x: torch.Tensor) -> torch.Tensor:
+    # (L, T, H, D) -> (L, T, H*D)
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def conditioning_delta(conditioned: KV | Sequence[KV], canonical: KV, spec: RopeSpec) -> KV:
+    """Delta = KV(B|A) - KV(B|∅) in the position-free frame, averaged over ``conditioned`` (orbit).
+
+    ``conditioned``: one placed KV of B after its antecedent, or several (one per ordering of the
+    antecedent set: the orbit patch of §5). ``canonical``: B's position-free canonical.
+    """
+    if not canonical.is_free:
+        raise InvalidInputError("canonical must be position-free")
+    items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
+    if not items:
+        raise InvalidInputError("conditioning_delta needs at least one conditioned KV")
+    dk = torch.zeros(canonical.keys.shape, dtype=torch.float64, device=canonical.keys.device)
+    dv = torch.zeros(canonical.values.shape, dtype=torch.float64, device=canonical.values.device)
+    for item in items:
+        if len(item) != len(canonical):
+            raise InvalidInputError(f"conditioned KV has {len(item)} tokens, canonical {len(canonical)}")
+        free = make_free(item, spec)
+        dk += free.keys.double() - canonical.keys.double()
+        dv += free.values.double() - canonical.values.double()
+    dk /= len(items)
+    dv /= len(items)
+    return KV(dk.to(canonical.keys.dtype), dv.to(canonical.values.dtype), None)
+
+
+def _top_factors(delta: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``rank`` SVD factors of each layer's (T, F) matrix: (Lp, T, m) scaled by S, and (Lp, m, F)."""
+    mat = delta.to(torch.float32)
+    u, s, vt = torch.linalg.svd(mat, full_matrices=False)  # (Lp, T, k), (Lp, k), (Lp, k, F)
+    m = min(rank, s.shape[-1])
+    us = u[..., :m] * s[:, None, :m]
+    return us.to(dtype).contiguous(), vt[:, :m].to(dtype).contiguous()
+
+
+def form_patch(
+    conditioned: KV | Sequence[KV],
+    canonical: KV,
+    spec: RopeSpec,
+    rank: int,
+    *,
+    layers: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Patch:
+    """Form a rank-``rank`` patch from conditioned KV(s) of a chunk and its canonical.
+
+    ``layers``: which layers to patch (default all; the deep-only variant passes the deepest half).
+    ``dtype``: storage dtype of the factors (default: the canonical's dtype).
+    """
+    if rank < 1:
+        raise InvalidInputError(f"patch rank must be >= 1, got {rank}")
+    delta = conditioning_delta(conditioned, canonical, spec)
+    n_layers = canonical.num_layers
+    chosen = tuple(range(n_layers)) if layers is None else tuple(sorted(set(int(i) for i in layers)))
+    if not chosen or chosen[0] < 0 or chosen[-1] >= n_layers:
+        raise InvalidInputError(f"patch layers must be within [0, {n_layers}), got {layers}")
+    idx = torch.tensor(chosen, dtype=torch.long, device=delta.keys.device)
+    out_dtype = dtype or canonical.keys.dtype
+    k_u, k_vt = _top_factors(_stack_heads(delta.keys.index_select(0, idx)), rank, out_dtype)
+    v_u, v_vt = _top_factors(_stack_heads(delta.values.index_select(0, idx)), rank, out_dtype)
+    return Patch(k_u, k_vt, v_u, v_vt, chosen)
+
+
+def patch_delta(patch: Patch, num_layers: int, shape_k: torch.Size, shape_v: torch.Size) -> KV:
+    """The dense Delta a patch reconstructs (zeros on unpatched layers), position-free. For analysis."""
+    dk = torch.zeros(shape_k, dtype=patch.k_u.dtype)
+    dv = torch.zeros(shape_v, dtype=patch.v_u.dtype)
+    idx = list(patch.layers)
+    dk[idx] = torch.bmm(patch.k_u, patch.k_vt).reshape(len(idx), *shape_k[1:])
+    dv[idx] = torch.bmm(patch.v_u, patch.v_vt).reshape(len(idx), *shape_v[1:])
+    return KV(dk, dv, None)
+
+
+def apply_patch(
+    canonical: KV,
+    patch: Patch | None,
+    spec: RopeSpec,
+    target: torch.Tensor | int,
+    *,
+    exact: bool = False,
+    out: KV | None = None,
+) -> KV:
+    """Serve a chunk: ``R(target) · (canonical + U V^T)``; no forward pass.
+
+    canonical: position-free KV (L, T, H, D). ``patch=None`` gives blind reuse (relocation only).
+    ``exact=False`` rotates in the KV dtype (serving path); ``True`` rotates in float64 (reference).
+    ``out``: optional preallocated placed KV (same shapes) to write into, e.g. a slot of the window.
+    """
+    if not canonical.is_free:
+        raise InvalidInputError("apply_patch wants a position-free canonical")
+    n_layers, n_tok = canonical.keys.shape[:2]
+    tgt = torch.arange(target, target + n_tok) if isinstance(target, int) else target.to(torch.long)
+    if tgt.shape != (n_tok,):
+        raise InvalidInputError(f"target positions shape {tuple(tgt.shape)} != ({n_tok},)")
+    if patch is not None and patch.num_tokens != n_tok:
+        raise InvalidInputError(f"patch covers {patch.num_tokens} tokens, canonical has {n_tok}")
+    keys = out.keys if out is not None else torch.empty_like(canonical.keys)
+    values = out.values if out is not None else torch.empty_like(canonical.values)
+    keys.copy_(canonical.keys)
+    values.copy_(canonical.values)
+    if patch is not None:
+        idx = list(patch.layers)
+        if idx == list(range(n_layers)):
+            # One batched GEMM over all layers: (L, T, m) @ (L, m, H*D), accumulated in place.
+            k_flat = keys.view(n_layers, n_tok, -1)
+            v_flat = values.view(n_layers, n_tok, -1)
+            k_flat.baddbmm_(patch.k_u.to(keys.dtype), patch.k_vt.to(keys.dtype))
+            v_flat.baddbmm_(patch.v_u.to(values.dtype), patch.v_vt.to(values.dtype))
+        else:
+            for j, layer in enumerate(idx):
+                keys[layer].view(n_tok, -1).addmm_(patch.k_u[j].to(keys.dtype), patch.k_vt[j].to(keys.dtype))
+                values[layer].view(n_tok, -1).addmm_(
+                    patch.v_u[j].to(values.dtype), patch.v_vt[j].to(values.dtype)
+                )
+    if exact:
+        keys.copy_(rotate_keys(keys, spec, tgt, None, exact=True))
+    else:
+        cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
+        apply_rotation_(keys, cos, sin, spec)
+    return KV(keys, values, tgt)

@@ -1,0 +1,136 @@
+"""Exact RoPE relocation (core paper §3, appendix A).
+
+RoPE rotates each pair of key features ``(x_i, x_{i+r/2})`` by the angle ``p * inv_freq_i``. Rotations
+compose, ``R(a) R(b) = R(a + b)``, so moving a key from position ``p0`` to ``p1`` is one rotation by
+``angle(p1) - angle(p0)``: no forward pass, values untouched.
+
+Exactness against re-prefill: transformers computes the angle in float32 (``fl32(p * inv_freq)``) and
+rotates with ``cos/sin`` of that float32 angle. We reproduce those float32 angles, take their
+difference in float64 and rotate in float64, so a relocated key differs from a key prefilled at the
+target position only by float rounding of the key itself (about one ulp), at any distance.
+
+Kamera stores keys *position-free*: rotated to angle 0 (every token "at position 0"). A placement is
+then a single rotation from 0 to the target, never a chain of rotations.
+
+Attention scaling (yarn's ``mscale``, longrope's factor) multiplies cos and sin inside the model: the
+stored key already carries it once, so relocation rotates by pure angles and never rescales again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidInputError, UnsupportedModelError
+
+#: RoPE variants whose angles depend on position only (not on the sequence length): relocation is exact.
+EXACT_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """What relocation needs to know about a model's rotary embedding.
+
+    ``inv_freq`` is float32 ``(rotary_dim // 2,)`` exactly as the model uses it; ``rotary_dim`` may be
+    smaller than ``head_dim`` (partial rotary: the remaining features pass through unrotated);
+    ``style`` is ``"half"`` (pairs ``i, i + r/2``, the transformers default) or ``"interleaved"``
+    (pairs ``2i, 2i + 1``).
+    """
+
+    inv_freq: torch.Tensor
+    rotary_dim: int
+    head_dim: int
+    rope_type: str = "default"
+    style: str = "half"
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Float32 angles exactly as transformers computes them, returned in float64.
+
+        positions: (T,) int -> (T, rotary_dim // 2) float64.
+        """
+        pos = positions.to(torch.float32)
+        return (pos[:, None] * self.inv_freq.to(torch.float32)[None, :]).to(torch.float64)
+
+
+def check_rope_type(model_name: str, rope_type: str) -> None:
+    """Refuse RoPE variants whose rotation is not a function of position alone."""
+    if rope_type not in EXACT_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{model_name}: RoPE scaling type {rope_type!r} is not supported: its angles depend on the "
+            f"sequence length, so relocation cannot be exact. Supported: {sorted(EXACT_ROPE_TYPES)}."
+        )
+
+
+def _as_positions(positions: torch.Tensor | int | range, n: int) -> torch.Tensor:
+    if isinstance(positions, int):
+        return torch.arange(positions, positions + n)
+    if isinstance(positions, range):
+        positions = torch.tensor(list(positions), dtype=torch.long)
+    if positions.ndim != 1 or positions.shape[0] != n:
+        raise InvalidInputError(f"positions must have shape ({n},), got {tuple(positions.shape)}")
+    return positions.to(torch.long)
+
+
+def rotation_table(
+    spec: RopeSpec,
+    target: torch.Tensor,
+    source: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of ``angle(target) - angle(source)`` per token: (T, rotary_dim // 2) each.
+
+    ``source=None`` means the keys are position-free (angle 0).
+    """
+    ang = spec.angles(target)
+    if source is not None:
+        ang = ang - spec.angles(source)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def rotate_keys(
+    keys: torch.Tensor,
+    spec: RopeSpec,
+    target: torch.Tensor | int,
+    source: torch.Tensor | int | None = None,
+    *,
+    exact: bool = True,
+) -> torch.Tensor:
+    """Rotate keys from ``source`` positions (``None``: position-free) to ``target`` positions.
+
+    keys: (..., T, H, D) with the token axis third from the end (Kamera's token-major layout).
+    Returns a new tensor of the same dtype. ``exact=True`` rotates in float64 (reference quality);
+    ``exact=False`` rotates in the key dtype (the fast serving path, error ~1 ulp of the dtype).
+    """
+    n = keys.shape[-3]
+    tgt = _as_positions(target, n)
+    src = None if source is None else _as_positions(source, n)
+    work = torch.float64 if exact else keys.dtype
+    cos, sin = rotation_table(spec, tgt, src, dtype=work, device=keys.device)
+    out = keys.to(work).clone()
+    apply_rotation_(out, cos, sin, spec)
+    return out.to(keys.dtype)
+
+
+def apply_rotation_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """In-place rotation of ``x`` (..., T, H, D) by per-token cos/sin tables (T, rotary_dim // 2)."""
+    r = spec.rotary_dim
+    h = r // 2
+    c = cos[:, None, :]  # (T, 1, r/2): broadcast over heads
+    s = sin[:, None, :]
+    if spec.style == "half":
+        x1 = x[..., :h]
+        x2 = x[..., h:r]
+    elif spec.style == "interleaved":
+        x1 = x[..., 0:r:2]
+        x2 = x[..., 1:r:2]
+    else:  # pragma: no cover - adapters validate the style
+        raise UnsupportedModelError(f"unknown rope style {spec.style!r}")
+    x1_old = x1.clone()
+    # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+    x1.mul_(c).addcmul_(x2, s, value=-1.0)
+    x2.mul_(c).addcmul_(x1_old, s)
+    return x

@@ -1,0 +1,61 @@
+"""Forward runner: prefill new tokens with explicit positions on top of an assembled KV.
+
+transformers' ``generate()`` assumes the cache was built by the model itself at contiguous positions;
+Kamera assembles caches from relocated, patched chunks, so the engine drives the model directly:
+one ``model(...)`` call with ``position_ids`` and a ``DynamicCache`` made from our KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import InvalidInputError
+from .kv import KV, to_cache
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    """KV of the new tokens (placed at their positions) and their logits."""
+
+    kv: KV  # (L, T_new, H, D), positions = the new tokens' positions
+    logits: torch.Tensor  # (T_new, vocab) or (1, vocab) when only the last was asked for
+    cache: object  # the transformers cache after the forward (past + new), for decoding on
+
+
+@torch.inference_mode()
+def run_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    past: KV | None,
+    start: int,
+    *,
+    logits: str = "last",
+) -> ForwardResult:
+    """Run ``input_ids`` (T,) at positions ``start .. start+T-1`` after ``past`` (placed KV or None).
+
+    ``logits``: ``"last"`` (next-token logits only), ``"all"``, or ``"none"``.
+    """
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise InvalidInputError(
+            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
+        )
+    if past is not None and past.positions is None:
+        raise InvalidInputError("past KV must be placed (positions set), not position-free")
+    device = next(model.parameters()).device
+    n_new = int(input_ids.shape[0])
+    n_past = 0 if past is None else len(past)
+    positions = torch.arange(start, start + n_new, dtype=torch.long)
+    cache = to_cache(None if past is None else past.to(device), model.config)
+    keep = {"last": 1, "all": 0, "none": 1}[logits]
+    out = model(
+        input_ids=input_ids[None].to(device),
+        position_ids=positions[None].to(device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    )
+    new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, positions)
+    return ForwardResult(new_kv, out.logits[0].float(), out.past_key_values)
