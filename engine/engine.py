@@ -74,7 +74,7 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
-        self.adapter: ModelAdapter = adapter_for(model.config)
+        self.adapter: ModelAdapter = adapter_for(model.config, self.name)
         self.attention = attention or str(getattr(model.config, "_attn_implementation", None) or "sdpa")
         self.counters = EngineCounters()
         probe = self._probe_shapes()
@@ -118,9 +118,7 @@ class Engine:
         except Exception as exc:
             raise ModelLoadError(f"could not load the tokenizer of {name}: {exc}") from exc
         try:
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=torch_dtype, attn_implementation=attention
-            )
+            hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=attention)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load model {name}: {exc}") from exc
         return cls(hf_model.to(dev), tokenizer, name=name, attention=attention)
@@ -258,9 +256,7 @@ class Engine:
     ) -> Patch:
         return op.form_patch(conditioned, canonical, self.rope, rank, layers=layers, dtype=dtype)
 
-    def apply(
-        self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False
-    ) -> KV:
+    def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
         return op.apply_patch(canonical, patch, self.rope, target, exact=exact)
 
     def deep_layers(self, fraction: float = 0.5) -> list[int]:
@@ -284,9 +280,7 @@ class Engine:
             params.eos_token_ids = self.eos_token_ids
         return decode_tokens(self.model, res.cache, res.logits[-1], start + len(prompt_ids), params)
 
-    def generate(
-        self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams
-    ) -> Iterator[str]:
+    def generate(self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[str]:
         """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""
         if self.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; use generate_ids")

@@ -32,9 +32,7 @@ _VOLATILE_KEYS = {
 def config_digest(config: Any) -> str:
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     clean = {k: v for k, v in sorted(data.items()) if k not in _VOLATILE_KEYS}
-    return hashlib.blake2b(
-        json.dumps(clean, sort_keys=True, default=str).encode(), digest_size=16
-    ).hexdigest()
+    return hashlib.blake2b(json.dumps(clean, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -32,17 +32,14 @@ class KV:
     def __post_init__(self) -> None:
         if self.keys.ndim != 4 or self.values.ndim != 4:
             raise InvalidInputError(
-                f"KV wants (L, T, H, D) tensors, got keys {tuple(self.keys.shape)}, "
-                f"values {tuple(self.values.shape)}"
+                f"KV wants (L, T, H, D) tensors, got keys {tuple(self.keys.shape)}, values {tuple(self.values.shape)}"
             )
         if self.keys.shape[:3] != self.values.shape[:3]:
             raise InvalidInputError(
                 f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} disagree on (L, T, H)"
             )
         if self.positions is not None and self.positions.shape != (self.keys.shape[1],):
-            raise InvalidInputError(
-                f"positions shape {tuple(self.positions.shape)} != ({self.keys.shape[1]},)"
-            )
+            raise InvalidInputError(f"positions shape {tuple(self.positions.shape)} != ({self.keys.shape[1]},)")
 
     def __len__(self) -> int:
         return int(self.keys.shape[1])

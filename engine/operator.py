@@ -55,9 +55,7 @@ class Patch:
         """The same patch at a lower rank (SVD factors are ordered by singular value)."""
         if rank > self.rank:
             raise InvalidInputError(f"cannot raise a rank-{self.rank} patch to rank {rank}")
-        return Patch(
-            self.k_u[..., :rank], self.k_vt[:, :rank], self.v_u[..., :rank], self.v_vt[:, :rank], self.layers
-        )
+        return Patch(self.k_u[..., :rank], self.k_vt[:, :rank], self.v_u[..., :rank], self.v_vt[:, :rank], self.layers)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat dict for storage (safetensors)."""
@@ -208,9 +206,7 @@ def apply_patch(
         else:
             for j, layer in enumerate(idx):
                 keys[layer].view(n_tok, -1).addmm_(patch.k_u[j].to(keys.dtype), patch.k_vt[j].to(keys.dtype))
-                values[layer].view(n_tok, -1).addmm_(
-                    patch.v_u[j].to(values.dtype), patch.v_vt[j].to(values.dtype)
-                )
+                values[layer].view(n_tok, -1).addmm_(patch.v_u[j].to(values.dtype), patch.v_vt[j].to(values.dtype))
     if exact:
         keys.copy_(rotate_keys(keys, spec, tgt, None, exact=True))
     else:

@@ -39,9 +39,7 @@ def run_forward(
     ``logits``: ``"last"`` (next-token logits only), ``"all"``, or ``"none"``.
     """
     if input_ids.ndim != 1 or input_ids.numel() == 0:
-        raise InvalidInputError(
-            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
-        )
+        raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
     if past is not None and past.positions is None:
         raise InvalidInputError("past KV must be placed (positions set), not position-free")
     device = next(model.parameters()).device

@@ -6,6 +6,8 @@ and which configurations it refuses. All access to transformers model internals 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -27,8 +29,9 @@ class ModelAdapter:
     #: Keys are normalised (q/k-norm) before RoPE; relocation is unaffected but worth knowing.
     keys_normalised: ClassVar[bool] = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, name: str | None = None) -> None:
         self.config = config
+        self.name_hint = name
         self.validate(config)
 
     # --- model access -------------------------------------------------------------------------
@@ -58,12 +61,12 @@ class ModelAdapter:
         inv_freq = rot.inv_freq.detach().to("cpu", torch.float32).clone()
         rotary_dim = 2 * int(inv_freq.shape[0])
         if rotary_dim > head_dim:
-            raise UnsupportedModelError(
-                f"{self.model_name()}: rotary dim {rotary_dim} exceeds head dim {head_dim}"
-            )
+            raise UnsupportedModelError(f"{self.model_name()}: rotary dim {rotary_dim} exceeds head dim {head_dim}")
         return RopeSpec(inv_freq, rotary_dim, head_dim, rope_type, self.rope_style)
 
     def model_name(self) -> str:
+        if self.name_hint:
+            return self.name_hint
         return str(getattr(self.config, "_name_or_path", "") or getattr(self.config, "model_type", "model"))
 
 
@@ -77,12 +80,51 @@ def register(cls: type[ModelAdapter]) -> type[ModelAdapter]:
     return cls
 
 
-def adapter_for(config: Any) -> ModelAdapter:
+def adapter_for(config: Any, name: str | None = None) -> ModelAdapter:
     """The adapter instance for a transformers config, or a clear error."""
     model_type = getattr(config, "model_type", None)
     cls = ADAPTERS.get(model_type or "")
     if cls is None:
         raise UnsupportedModelError(
-            f"model type {model_type!r} has no Kamera adapter; supported: {sorted(ADAPTERS)}"
+            f"{name or 'model'}: model type {model_type!r} has no Kamera adapter; supported: {sorted(ADAPTERS)}"
         )
-    return cls(config)
+    return cls(config, name)
+
+
+# --- measurement hooks (reference for relocation exactness) -----------------------------------------
+def _modeling_module(model: nn.Module) -> Any:
+    import sys
+
+    return sys.modules[type(model).__module__]
+
+
+@contextmanager
+def capture_pre_rope_keys(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record the keys each attention layer passes to RoPE (pre-rotation), in layer order.
+
+    Scoped: the family's ``apply_rotary_pos_emb`` is wrapped for the duration and restored in
+    ``finally``. Used only to build the re-prefill reference that relocation is checked against.
+    """
+    module = _modeling_module(model)
+    original = module.apply_rotary_pos_emb
+    captured: list[torch.Tensor] = []
+
+    def recording(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *a: Any, **kw: Any):
+        captured.append(k.detach().clone())  # (B, H, T, D)
+        return original(q, k, cos, sin, *a, **kw)
+
+    module.apply_rotary_pos_emb = recording
+    try:
+        yield captured
+    finally:
+        module.apply_rotary_pos_emb = original
+
+
+def reference_rotate(
+    model: nn.Module, adapter: ModelAdapter, keys: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Rotate pre-RoPE keys (B, H, T, D) to ``positions`` with the model's own RoPE code."""
+    rot = adapter.rotary_module(model)
+    cos, sin = rot(keys, positions[None].to(keys.device))
+    _, k = _modeling_module(model).apply_rotary_pos_emb(keys, keys, cos, sin)
+    return k

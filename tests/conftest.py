@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random models per attention family, and the real default model once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from kamera_engine import Engine
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=128,
+    max_position_embeddings=8192,
+)
+_THETA = 10000.0
+
+#: name -> config factory. Every adapter and every supported RoPE scaling appears here.
+TINY_CONFIGS = {
+    "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **_COMMON),
+    "llama-linear": lambda: T.LlamaConfig(
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": _THETA},
+        **_COMMON,
+    ),
+    "llama-llama3": lambda: T.LlamaConfig(
+        num_key_value_heads=2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "rope_theta": _THETA,
+        },
+        **_COMMON,
+    ),
+    "llama-yarn": lambda: T.LlamaConfig(
+        num_key_value_heads=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 256,
+            "rope_theta": _THETA,
+        },
+        **_COMMON,
+    ),
+    "mistral": lambda: T.MistralConfig(num_key_value_heads=2, **_COMMON),
+    "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **_COMMON),
+    "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **_COMMON),
+    "phi3": lambda: T.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, **_COMMON),
+    "gpt_neox": lambda: T.GPTNeoXConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=8192,
+        rotary_pct=0.25,
+    ),
+    "phi": lambda: T.PhiConfig(partial_rotary_factor=0.5, **_COMMON),
+}
+
+ANCHOR = [1, 2, 3, 4]
+
+
+def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = TINY_CONFIGS[name]()
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    # Random init is tiny; scale up so attention is far from uniform and conditioning is visible.
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name_:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def tiny_engine(name: str, seed: int = 0) -> Engine:
+    return Engine(tiny_model(name, seed), None, name=f"tiny-{name}", anchor_ids=ANCHOR)
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny(request: pytest.FixtureRequest) -> Engine:
+    """A tiny random engine for each family / RoPE variant."""
+    return tiny_engine(request.param)
+
+
+@pytest.fixture(scope="session")
+def default_engine() -> Engine:
+    """The real embedded default model (SmolLM2-135M-Instruct), loaded once."""
+    return Engine.load()
+
+
+def random_ids(n: int, seed: int, vocab: int = 128) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n,), generator=g).tolist()

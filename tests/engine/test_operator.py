@@ -1,0 +1,121 @@
+"""The patch: full rank reproduces KV(B|A) and re-prefill's next-token distribution; ranks and layers
+behave; malformed inputs raise clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kamera_engine import KV, Engine, InvalidInputError, Patch
+from tests.conftest import ANCHOR, random_ids, tiny_engine
+
+
+def _setup(engine: Engine, seed: int = 0):
+    a_ids, b_ids, q_ids = random_ids(20, seed), random_ids(16, seed + 1), random_ids(5, seed + 2)
+    full = ANCHOR + a_ids + b_ids
+    ref = engine.forward(full, None, 0, logits="none").kv
+    start_b = len(ANCHOR) + len(a_ids)
+    cond_b = ref.slice(start_b, start_b + len(b_ids))
+    can_b = engine.canonical(b_ids)
+    return a_ids, b_ids, q_ids, ref, cond_b, can_b, start_b
+
+
+def _logprobs(engine: Engine, past: KV, q_ids: list[int]) -> torch.Tensor:
+    return engine.next_token_logprobs(past, q_ids, len(past))
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float((p.exp() * (p - q)).sum())
+
+
+def test_full_rank_patch_reproduces_conditioned_kv_and_distribution(tiny: Engine) -> None:
+    _, b_ids, q_ids, ref, cond_b, can_b, start_b = _setup(tiny)
+    full_rank = len(b_ids)  # T <= H*D here, so rank T is exact
+    patch = tiny.form_patch(cond_b, can_b, rank=full_rank)
+    served = tiny.apply(can_b, patch, start_b)
+    assert (served.keys - cond_b.keys).abs().max().item() <= 1e-4
+    assert (served.values - cond_b.values).abs().max().item() <= 1e-4
+    assembled = KV.cat([ref.slice(0, start_b), served])
+    lp_ref = _logprobs(tiny, ref, q_ids)
+    lp_served = _logprobs(tiny, assembled, q_ids)
+    assert _kl(lp_ref, lp_served) <= 1e-6
+
+
+def test_patch_error_shrinks_with_rank() -> None:
+    engine = tiny_engine("llama")
+    _, _b_ids, _, _, cond_b, can_b, start_b = _setup(engine, seed=10)
+    errs = []
+    for rank in (1, 4, 16):
+        served = engine.apply(can_b, engine.form_patch(cond_b, can_b, rank=rank), start_b)
+        errs.append((served.keys - cond_b.keys).norm().item() + (served.values - cond_b.values).norm().item())
+    blind = engine.apply(can_b, None, start_b)
+    blind_err = (blind.keys - cond_b.keys).norm().item() + (blind.values - cond_b.values).norm().item()
+    assert blind_err > errs[0] > errs[1] > errs[2]
+
+
+def test_deep_only_patch_touches_only_its_layers() -> None:
+    engine = tiny_engine("qwen2")
+    _, _, _, _, cond_b, can_b, start_b = _setup(engine, seed=20)
+    patch = engine.form_patch(cond_b, can_b, rank=4, layers=engine.deep_layers(0.5))
+    assert patch.layers == (1,)
+    served = engine.apply(can_b, patch, start_b)
+    blind = engine.apply(can_b, None, start_b)
+    assert torch.equal(served.keys[0], blind.keys[0]) and torch.equal(served.values[0], blind.values[0])
+    assert not torch.allclose(served.values[1], blind.values[1])
+
+
+def test_patch_is_position_free() -> None:
+    """The same patch serves any position: applying at p equals relocating the exact application."""
+    engine = tiny_engine("llama")
+    _, _, _, _, cond_b, can_b, start_b = _setup(engine, seed=30)
+    patch = engine.form_patch(cond_b, can_b, rank=8)
+    here = engine.apply(can_b, patch, start_b, exact=True)
+    there = engine.apply(can_b, patch, 3000, exact=True)
+    assert (engine.relocate(here, 3000).keys - there.keys).abs().max().item() <= 1e-5
+    assert torch.equal(here.values, there.values)
+
+
+def test_orbit_patch_averages_orderings() -> None:
+    engine = tiny_engine("mistral")
+    a1, a2, b = random_ids(10, 40), random_ids(10, 41), random_ids(12, 42)
+    can_b = engine.canonical(b)
+    conds = []
+    for order in ([a1, a2], [a2, a1]):
+        ids = ANCHOR + order[0] + order[1] + b
+        conds.append(engine.forward(ids, None, 0, logits="none").kv.slice(len(ids) - len(b), len(ids)))
+    orbit = engine.form_patch(conds, can_b, rank=12)
+    one = engine.form_patch(conds[0], can_b, rank=12)
+    mean_v = (conds[0].values + conds[1].values) / 2
+    served = engine.apply(can_b, orbit, 100)
+    assert (served.values - mean_v).abs().max().item() <= 1e-4
+    assert not torch.allclose(orbit.v_u, one.v_u)
+
+
+def test_patch_storage_round_trip_and_truncate() -> None:
+    engine = tiny_engine("phi3")
+    _, _, _, _, cond_b, can_b, _ = _setup(engine, seed=50)
+    patch = engine.form_patch(cond_b, can_b, rank=8, dtype=torch.bfloat16)
+    assert patch.k_u.dtype == torch.bfloat16 and patch.rank == 8
+    back = Patch.from_tensors(patch.tensors())
+    assert torch.equal(back.k_vt, patch.k_vt) and back.layers == patch.layers
+    low = patch.truncate(2)
+    assert low.rank == 2 and torch.equal(low.v_u, patch.v_u[..., :2])
+    with pytest.raises(InvalidInputError, match="rank"):
+        patch.truncate(9)
+
+
+def test_malformed_operator_inputs_raise_clear_errors() -> None:
+    engine = tiny_engine("llama")
+    _, _, _, _, cond_b, can_b, _ = _setup(engine, seed=60)
+    with pytest.raises(InvalidInputError, match="rank"):
+        engine.form_patch(cond_b, can_b, rank=0)
+    with pytest.raises(InvalidInputError, match="tokens"):
+        engine.form_patch(cond_b.slice(0, 3), can_b, rank=2)
+    with pytest.raises(InvalidInputError, match="position-free"):
+        engine.apply(cond_b, None, 0)
+    with pytest.raises(InvalidInputError, match="layers"):
+        engine.form_patch(cond_b, can_b, rank=2, layers=[7])
+    with pytest.raises(InvalidInputError, match=r"\(L, T, H, D\)"):
+        KV(torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(InvalidInputError, match="at least one token"):
+        engine.canonical([])
