@@ -20,7 +20,7 @@ from .errors import (
     WindowOperationError,
 )
 from .kv import KV
-from .operator import Patch, apply_patch, conditioning_delta, form_patch, make_free, relocate
+from .operator import Patch, apply_patch, conditioning_delta, form_patch, make_free, reconstruct, relocate
 from .rope import RopeSpec, rotate_keys
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "form_patch",
     "kamera_home",
     "make_free",
+    "reconstruct",
     "register",
     "relocate",
     "rotate_keys",

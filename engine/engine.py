@@ -245,6 +245,9 @@ class Engine:
     def make_free(self, kv: KV) -> KV:
         return op.make_free(kv, self.rope)
 
+    def reconstruct(self, canonical: KV, patch: Patch | None) -> KV:
+        return op.reconstruct(canonical, patch)
+
     def form_patch(
         self,
         conditioned: KV | Sequence[KV],

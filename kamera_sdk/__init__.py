@@ -1,0 +1,68 @@
+"""Kamera: a position-free KV cache for multimodal agents.
+
+Store each chunk's KV once, position-free; place it anywhere with an exact RoPE rotation and a small
+rank-m conditioning patch. ``ContextWindow`` treats an agent's context as a set of such chunks.
+
+    from kamera_sdk import Engine, ContextWindow
+    engine = Engine.load()
+    win = ContextWindow(engine)
+"""
+
+from kamera_engine import (
+    KV,
+    ChecksumError,
+    ChunkNotFoundError,
+    Engine,
+    EngineInfo,
+    FingerprintMismatchError,
+    InvalidInputError,
+    KameraError,
+    MediaError,
+    ModelLoadError,
+    Patch,
+    SamplingParams,
+    StoreError,
+    UnsupportedModelError,
+    WindowOperationError,
+)
+
+from .chunks import ChunkId
+from .config import WindowConfig
+from .envelope import EnvelopeConfig, EnvelopeDecision
+from .plan import Plan, Source
+from .policies import POLICIES, ReusePolicy, register_policy
+from .stats import WindowStats
+from .window import ContextWindow, DisposabilityResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KV",
+    "POLICIES",
+    "ChecksumError",
+    "ChunkId",
+    "ChunkNotFoundError",
+    "ContextWindow",
+    "DisposabilityResult",
+    "Engine",
+    "EngineInfo",
+    "EnvelopeConfig",
+    "EnvelopeDecision",
+    "FingerprintMismatchError",
+    "InvalidInputError",
+    "KameraError",
+    "MediaError",
+    "ModelLoadError",
+    "Patch",
+    "Plan",
+    "ReusePolicy",
+    "SamplingParams",
+    "Source",
+    "StoreError",
+    "UnsupportedModelError",
+    "WindowConfig",
+    "WindowOperationError",
+    "WindowStats",
+    "__version__",
+    "register_policy",
+]

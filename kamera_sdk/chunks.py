@@ -1,0 +1,109 @@
+"""Chunks and the content table: what the window holds, keyed by content.
+
+A chunk is a run of tokens (a page, a tool result, a message, later an image). Its id is a hash of its
+content, so adding the same content twice finds the same entry. The table keeps, per chunk, the
+position-free canonical ``KV(B | ∅)`` and the conditioning patches formed for it, each keyed by the
+antecedent it was formed on. The table is shared by every fork of a window (copy-on-write): entries
+are immutable once written, so sharing needs no copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NewType
+
+from kamera_engine import KV, ChunkNotFoundError, Patch
+
+ChunkId = NewType("ChunkId", str)
+
+#: An antecedent: the ordered ids of the chunks in front of a chunk when its conditioning was formed.
+Antecedent = tuple[ChunkId, ...]
+
+
+def content_id(kind: str, payload: bytes) -> ChunkId:
+    """Stable content hash (hex, 32 chars) of a chunk's kind and bytes."""
+    return ChunkId(hashlib.blake2b(kind.encode() + b"\0" + payload, digest_size=16).hexdigest())
+
+
+def antecedent_signature(antecedent: Antecedent) -> str:
+    """Order-sensitive digest of an antecedent (used in store keys)."""
+    return hashlib.blake2b("|".join(antecedent).encode(), digest_size=12).hexdigest()
+
+
+@dataclass(slots=True)
+class StoredPatch:
+    """A patch for one chunk and the antecedent(s) it was formed on.
+
+    ``kind``: ``"exact"`` (one conditioned forward in this order), ``"orbit"`` (averaged over several
+    orderings of the same set), or ``"fresh"`` (formed at recall on the chunk's fixed earlier context).
+    """
+
+    patch: Patch
+    antecedent: Antecedent
+    kind: str = "exact"
+    orderings: int = 1
+
+    @property
+    def antecedent_set(self) -> frozenset[ChunkId]:
+        return frozenset(self.antecedent)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One piece of content: its tokens and where its canonical KV comes from."""
+
+    id: ChunkId
+    kind: str
+    token_ids: list[int]
+    text: str | None = None
+    canonical: KV | None = None
+    patches: list[StoredPatch] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def label(self) -> str:
+        if self.text:
+            head = " ".join(self.text.split())[:32]
+            return f"{self.id[:8]} {head!r}"
+        return f"{self.id[:8]} ({len(self)} tokens)"
+
+
+class ChunkTable:
+    """Content-addressed chunk entries, shared by a window and its forks."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[ChunkId, Chunk] = {}
+
+    def __contains__(self, chunk_id: object) -> bool:
+        return chunk_id in self._chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def get(self, chunk_id: ChunkId) -> Chunk:
+        try:
+            return self._chunks[chunk_id]
+        except KeyError:
+            raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}") from None
+
+    def put(self, chunk: Chunk) -> Chunk:
+        """Insert ``chunk`` unless an entry with its id exists; return the entry in the table."""
+        return self._chunks.setdefault(chunk.id, chunk)
+
+    def ensure_canonical(self, chunk: Chunk, compute: Callable[[Chunk], KV]) -> tuple[KV, bool]:
+        """The chunk's canonical, computing it once; returns (kv, computed_now)."""
+        if chunk.canonical is None:
+            chunk.canonical = compute(chunk)
+            return chunk.canonical, True
+        return chunk.canonical, False
+
+    def add_patch(self, chunk: Chunk, stored: StoredPatch) -> None:
+        """Record a patch; a newer patch for the same ordered antecedent and kind replaces the older."""
+        chunk.patches = [p for p in chunk.patches if not (p.antecedent == stored.antecedent and p.kind == stored.kind)]
+        chunk.patches.append(stored)
+
+    def values(self) -> list[Chunk]:
+        return list(self._chunks.values())

@@ -1,0 +1,38 @@
+"""Window configuration (pydantic): the knobs of the reuse operator and the window operations."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .envelope import EnvelopeConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WindowConfig(BaseModel):
+    """How a ``ContextWindow`` forms and reuses conditioning."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int = Field(32, ge=1, description="rank m of conditioning patches")
+    budget_tokens: int | None = Field(None, ge=1, description="slide the oldest chunks out above this many tokens")
+    patch_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="storage dtype of patch factors (default: the engine's KV dtype)"
+    )
+    patch_layers: Literal["all", "deep"] = Field("all", description="patch every layer, or only the deepest ones")
+    deep_fraction: float = Field(0.5, gt=0, le=1, description="fraction of layers patched when patch_layers='deep'")
+    reorder_patch: Literal["transfer", "orbit", "exact"] = Field(
+        "transfer",
+        description="on reorder: reuse conditioning formed in another order (transfer), form an orbit patch "
+        "over orderings of the predecessor set (orbit), or re-prefill in the new order (exact)",
+    )
+    orbit_exhaustive_max: int = Field(4, ge=1, description="use all orderings up to this many predecessors")
+    orbit_samples: int = Field(6, ge=1, description="orderings sampled beyond orbit_exhaustive_max")
+    envelope: EnvelopeConfig = Field(default_factory=EnvelopeConfig)
+    seed: int = 0
+
+    def torch_patch_dtype(self) -> torch.dtype | None:
+        return None if self.patch_dtype is None else _DTYPES[self.patch_dtype]

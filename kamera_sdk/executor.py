@@ -1,0 +1,157 @@
+"""Execute a plan: turn each slot's source into placed KV and assemble the window.
+
+Consecutive FORWARD slots share one forward pass over their tokens on top of everything assembled in
+front of them; that forward is also where patches for later reuse are formed. Every other source is a
+rotation plus at most one rank-m GEMM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kamera_engine import KV, Engine
+
+from .chunks import Chunk, ChunkTable, StoredPatch
+from .config import WindowConfig
+from .graph import DependencyGraph
+from .plan import Plan, SlotPlan, Source
+from .slots import Slot
+from .stats import Decision, WindowStats
+
+
+@dataclass(slots=True)
+class Execution:
+    """The assembled window and what each slot now holds."""
+
+    assembled: KV  # anchor + every slot, placed
+    placed: list[KV]  # per slot, placed
+    slots: list[Slot]  # new slot states (conditioned KV kept position-free when the policy keeps it)
+
+
+class Executor:
+    """Carries out plans for one window (shares the engine, the table and the stats)."""
+
+    def __init__(self, engine: Engine, table: ChunkTable, config: WindowConfig, stats: WindowStats) -> None:
+        self.engine = engine
+        self.table = table
+        self.config = config
+        self.stats = stats
+
+    def canonical(self, chunk: Chunk):
+        kv, computed = self.table.ensure_canonical(chunk, self._compile)
+        if computed:
+            self.stats.canonicals_computed += 1
+            self.stats.canonical_bytes += kv.nbytes
+        return kv
+
+    def _compile(self, chunk: Chunk) -> KV:
+        t0 = time.perf_counter()
+        kv = self.engine.canonical(chunk.token_ids)
+        self.stats.forwards += 1
+        self.stats.ingest_tokens += len(chunk)
+        self.stats.time("canonical", time.perf_counter() - t0)
+        return kv
+
+    def run(self, plan: Plan, slots: list[Slot], keep_slot_kv: bool, graph: DependencyGraph, step: int) -> Execution:
+        e = self.engine
+        parts: list[KV] = [e.anchor_kv]
+        placed: list[KV] = []
+        new_slots: list[Slot] = []
+        i = 0
+        while i < len(plan.slots):
+            sp = plan.slots[i]
+            if sp.source is Source.FORWARD:
+                j = i
+                while j < len(plan.slots) and plan.slots[j].source is Source.FORWARD:
+                    j += 1
+                run = plan.slots[i:j]
+                for sp_k, kv in zip(run, self._forward_run(run, parts), strict=True):
+                    parts.append(kv)
+                    placed.append(kv)
+                    new_slots.append(self._after(sp_k, kv, keep_slot_kv, graph, step, formed=True))
+                i = j
+                continue
+            kv, free = self._serve(sp, slots[i])
+            parts.append(kv)
+            placed.append(kv)
+            new_slots.append(self._after(sp, kv, keep_slot_kv, graph, step, formed=False, free=free))
+            i += 1
+        assembled = KV.cat(parts)
+        self.stats.window_kv_bytes = assembled.nbytes
+        self.stats.window_tokens = len(assembled)
+        return Execution(assembled, placed, new_slots)
+
+    def _serve(self, sp: SlotPlan, slot: Slot) -> tuple[KV, KV | None]:
+        """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot."""
+        e, st = self.engine, self.stats
+        if sp.source in (Source.KEEP, Source.SURVIVOR):
+            assert slot.kv is not None  # the policy only keeps materialised slots
+            if sp.source is Source.SURVIVOR:
+                st.survivors_rotated += 1
+            else:
+                st.kept += 1
+            return e.apply(slot.kv, None, sp.start), slot.kv
+        if sp.source is Source.PREFIX:
+            assert sp.reuse_kv is not None
+            st.prefix_hits += 1
+            return sp.reuse_kv, None
+        canonical = self.canonical(sp.chunk)
+        if sp.source is Source.PATCH:
+            assert sp.patch is not None
+            st.patches_reused += 1
+            free = e.reconstruct(canonical, sp.patch.patch)
+            return e.apply(free, None, sp.start), free
+        if sp.source is Source.BLIND:
+            st.blind_served += 1
+        return e.apply(canonical, None, sp.start), canonical  # LEAD or BLIND
+
+    def _forward_run(self, run: list[SlotPlan], parts: list[KV]) -> list[KV]:
+        """One forward over a run of slots on top of everything assembled so far."""
+        ids = [t for sp in run for t in sp.chunk.token_ids]
+        past = KV.cat(parts)
+        t0 = time.perf_counter()
+        res = self.engine.forward(ids, past, run[0].start, logits="none")
+        self.stats.time("forward", time.perf_counter() - t0)
+        self.stats.forwards += 1
+        self.stats.tokens_prefilled += len(ids)
+        out, at = [], 0
+        for sp in run:
+            out.append(res.kv.slice(at, at + len(sp.chunk)).clone())
+            at += len(sp.chunk)
+        return out
+
+    def _after(
+        self,
+        sp: SlotPlan,
+        kv: KV,
+        keep_slot_kv: bool,
+        graph: DependencyGraph,
+        step: int,
+        *,
+        formed: bool,
+        free: KV | None = None,
+    ) -> Slot:
+        """Record the slot's new state; form and store a patch when the plan asks for one."""
+        if formed and keep_slot_kv:
+            free = self.engine.make_free(kv)
+        if formed and sp.form_patch:
+            t0 = time.perf_counter()
+            canonical = self.canonical(sp.chunk)
+            layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
+            patch = self.engine.form_patch(
+                free if free is not None else kv,
+                canonical,
+                self.config.rank,
+                layers=layers,
+                dtype=self.config.torch_patch_dtype(),
+            )
+            self.table.add_patch(sp.chunk, StoredPatch(patch, sp.antecedent, kind=sp.patch_kind))
+            self.stats.patches_formed += 1
+            self.stats.fresh_patches_formed += sp.patch_kind == "fresh"
+            self.stats.patch_bytes += patch.nbytes
+            self.stats.time("patch_form", time.perf_counter() - t0)
+        if sp.source is not Source.KEEP:
+            self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
+        graph.set_conditioning(sp.chunk.id, sp.antecedent, sp.source.value)
+        return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value)

@@ -1,0 +1,73 @@
+"""Dependency graph of conditioning (core paper, appendix E "cascade").
+
+Nodes are chunks and patches; edges run from an antecedent chunk to the patch (or materialised
+conditioning) of a dependent chunk, and from that patch to the chunk. When an antecedent is evicted,
+recalled or changed, everything downstream is marked stale and is re-materialised lazily, in
+topological order, at the next use.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from .chunks import Antecedent, ChunkId, antecedent_signature
+
+
+class DependencyGraph:
+    """A thin, typed layer over ``networkx.DiGraph``."""
+
+    def __init__(self) -> None:
+        self.g: nx.DiGraph = nx.DiGraph()
+
+    def copy(self) -> DependencyGraph:
+        other = DependencyGraph()
+        other.g = self.g.copy()
+        return other
+
+    @staticmethod
+    def chunk_node(chunk_id: ChunkId) -> tuple[str, str]:
+        return ("chunk", chunk_id)
+
+    @staticmethod
+    def patch_node(chunk_id: ChunkId, antecedent: Antecedent) -> tuple[str, str, str]:
+        return ("patch", chunk_id, antecedent_signature(antecedent))
+
+    def add_chunk(self, chunk_id: ChunkId) -> None:
+        self.g.add_node(self.chunk_node(chunk_id), kind="chunk", stale=False)
+
+    def set_conditioning(self, chunk_id: ChunkId, antecedent: Antecedent, kind: str) -> None:
+        """Record that ``chunk_id``'s live KV is conditioned on ``antecedent`` (replaces older edges)."""
+        node = self.chunk_node(chunk_id)
+        if node not in self.g:
+            self.add_chunk(chunk_id)
+        for pred in list(self.g.predecessors(node)):
+            if pred[0] == "patch":
+                self.g.remove_edge(pred, node)
+        pnode = self.patch_node(chunk_id, antecedent)
+        self.g.add_node(pnode, kind=kind, antecedent=antecedent)
+        self.g.add_edge(pnode, node)
+        for a in antecedent:
+            anode = self.chunk_node(a)
+            if anode not in self.g:
+                self.add_chunk(a)
+            self.g.add_edge(anode, pnode)
+        self.g.nodes[node]["stale"] = False
+
+    def dependents(self, chunk_id: ChunkId) -> list[ChunkId]:
+        """Chunks whose live conditioning depends (transitively) on ``chunk_id``, in topological order."""
+        node = self.chunk_node(chunk_id)
+        if node not in self.g:
+            return []
+        down = nx.descendants(self.g, node)
+        sub = self.g.subgraph(down)
+        return [ChunkId(n[1]) for n in nx.topological_sort(sub) if n[0] == "chunk"]
+
+    def mark_stale(self, chunk_ids: list[ChunkId]) -> None:
+        for c in chunk_ids:
+            node = self.chunk_node(c)
+            if node in self.g:
+                self.g.nodes[node]["stale"] = True
+
+    def is_stale(self, chunk_id: ChunkId) -> bool:
+        node = self.chunk_node(chunk_id)
+        return bool(node in self.g and self.g.nodes[node].get("stale", False))

@@ -1,0 +1,91 @@
+"""The reuse-policy contract: given the window, return a plan.
+
+A policy is one dataclass in its own file with one method to override (``plan``), registered by name
+in ``POLICIES``. It declares what it needs as class attributes so the window never special-cases it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kamera_engine import Engine, InvalidInputError
+
+from ..chunks import Antecedent, Chunk, ChunkTable
+from ..config import WindowConfig
+from ..graph import DependencyGraph
+from ..plan import Plan, SlotPlan
+from ..slots import Slot
+
+
+@dataclass(slots=True)
+class WindowView:
+    """What a policy may look at when planning (read-only by convention)."""
+
+    engine: Engine
+    config: WindowConfig
+    table: ChunkTable
+    slots: list[Slot]
+    graph: DependencyGraph
+    step: int
+
+    @property
+    def anchor_len(self) -> int:
+        return len(self.engine.anchor_ids)
+
+    def layout(self) -> list[tuple[Slot, Chunk, int, Antecedent]]:
+        """(slot, chunk, start position, ordered antecedent) for every slot, in window order."""
+        out = []
+        pos = self.anchor_len
+        ids: list = []
+        for slot in self.slots:
+            chunk = self.table.get(slot.chunk_id)
+            out.append((slot, chunk, pos, tuple(ids)))
+            pos += len(chunk)
+            ids.append(slot.chunk_id)
+        return out
+
+
+@dataclass
+class ReusePolicy:
+    """Base class: how each slot's KV is obtained."""
+
+    name: ClassVar[str] = "base"
+    #: compile canonicals when chunks arrive (policies that only prefill do not need them)
+    needs_canonical: ClassVar[bool] = True
+    #: keep each slot's materialised KV for the next use (policies that recompute every time do not)
+    keeps_slot_kv: ClassVar[bool] = True
+
+    def plan(self, view: WindowView) -> Plan:
+        raise NotImplementedError
+
+    def observe(self, plan: Plan, placed: list) -> None:
+        """Called after execution with each slot's placed KV (prefix caches remember them)."""
+
+    def fork(self) -> ReusePolicy:
+        """The policy instance a forked window uses (shared state unless a policy says otherwise)."""
+        return self
+
+    # helpers for subclasses
+    @staticmethod
+    def slot_plans(view: WindowView, decide: Callable[[int, Slot, Chunk, int, Antecedent], SlotPlan]) -> list[SlotPlan]:
+        return [decide(i, slot, chunk, start, ante) for i, (slot, chunk, start, ante) in enumerate(view.layout())]
+
+
+POLICIES: dict[str, type[ReusePolicy]] = {}
+
+
+def register_policy(cls: type[ReusePolicy]) -> type[ReusePolicy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str | ReusePolicy, **options: object) -> ReusePolicy:
+    """Resolve a policy by registered name (or pass an instance through)."""
+    if isinstance(name, ReusePolicy):
+        return name
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise InvalidInputError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    return cls(**options)  # type: ignore[arg-type]

@@ -1,0 +1,100 @@
+"""``kamera``: relocated canonical + rank-m conditioning patch (core paper §3, §5, appendices B, D, E).
+
+Per slot, cheapest correct source first:
+
+1. leading chunk -> its canonical, relocated: exact (it is conditioned on the anchor alone);
+2. antecedent unchanged since the last use -> keep its conditioned KV (rotation only if it moved);
+3. antecedent lost only its oldest members (a slide) -> survivor: rotation only, no patch (§5);
+4. a stored patch, or the slot's own conditioned KV, formed on an antecedent within the safety
+   envelope (same set reordered, one dropped / duplicated member) -> apply it (orbit patches first);
+   a recalled chunk only takes a patch formed on the same set (a patch frozen at eviction is stale);
+5. otherwise -> one conditioned forward over the run of such slots, which also forms the patches that
+   later reuse needs (a recall gets its *fresh* patch this way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..chunks import Antecedent, Chunk, StoredPatch
+from ..envelope import judge
+from ..plan import Plan, SlotPlan, Source
+from ..slots import Slot
+from .base import ReusePolicy, WindowView, register_policy
+
+_KIND_RANK = {"orbit": 0, "fresh": 1, "exact": 2}
+
+
+def _dropped_front(formed_on: Antecedent, current: Antecedent) -> bool:
+    """``current`` is ``formed_on`` with a leading run removed (what a slide does)."""
+    k = len(formed_on) - len(current)
+    return k > 0 and formed_on[k:] == current
+
+
+@register_policy
+@dataclass
+class KameraPolicy(ReusePolicy):
+    name = "kamera"
+
+    def plan(self, view: WindowView) -> Plan:
+        cfg = view.config
+        slots: list[SlotPlan] = []
+        for i, (slot, chunk, start, ante) in enumerate(view.layout()):
+            slots.append(self._decide(view, i, slot, chunk, start, ante, cfg.reorder_patch))
+        return Plan(self.name, slots, view.anchor_len)
+
+    def _decide(
+        self, view: WindowView, i: int, slot: Slot, chunk: Chunk, start: int, ante: Antecedent, reorder: str
+    ) -> SlotPlan:
+        if i == 0:
+            return SlotPlan(chunk, start, ante, Source.LEAD, reason="leading chunk: canonical is exact")
+        stale = view.graph.is_stale(chunk.id)
+        if slot.materialised():
+            formed = slot.antecedent or ()
+            if formed == ante and not stale:
+                return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
+            if _dropped_front(formed, ante):
+                return SlotPlan(
+                    chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
+                )
+        recalled = not slot.materialised()
+        patch = self._best_patch(view, chunk, ante, recalled)
+        env = view.config.envelope
+        if patch is not None and (patch.antecedent == ante or (reorder == "orbit" and patch.kind == "orbit")):
+            return self._patch_plan(view, chunk, start, ante, patch)
+        if slot.materialised() and reorder == "transfer":
+            verdict = judge(slot.antecedent or (), ante, env)
+            if verdict.reuse:
+                return SlotPlan(
+                    chunk, start, ante, Source.KEEP, reason=f"own conditioning, {verdict.relation} (envelope)"
+                )
+        if patch is not None and reorder != "exact":
+            return self._patch_plan(view, chunk, start, ante, patch)
+        if recalled:
+            why = "recall: fresh patch on its earlier context" if chunk.patches else "new chunk"
+        else:
+            why = "antecedent outside the envelope"
+        kind = "fresh" if recalled and chunk.patches else "exact"
+        return SlotPlan(chunk, start, ante, Source.FORWARD, form_patch=True, patch_kind=kind, reason=why)
+
+    @staticmethod
+    def _patch_plan(view: WindowView, chunk: Chunk, start: int, ante: Antecedent, patch: StoredPatch) -> SlotPlan:
+        verdict = judge(patch.antecedent, ante, view.config.envelope)
+        return SlotPlan(chunk, start, ante, Source.PATCH, patch=patch, reason=f"{patch.kind} patch, {verdict.relation}")
+
+    @staticmethod
+    def _best_patch(view: WindowView, chunk: Chunk, ante: Antecedent, recalled: bool) -> StoredPatch | None:
+        """The stored patch to reuse for ``ante``, or None to rebuild (decisions are logged by the window)."""
+        best: tuple[tuple[int, int], StoredPatch] | None = None
+        for p in chunk.patches:
+            if p.patch.rank < min(view.config.rank, p.patch.num_tokens) and p.kind != "orbit":
+                continue
+            verdict = judge(p.antecedent, ante, view.config.envelope)
+            if not verdict.reuse:
+                continue
+            if recalled and verdict.relation not in ("identical", "reordered"):
+                continue  # recall: only a patch formed on this same set is fresh
+            order = (0 if verdict.relation == "identical" else 1, _KIND_RANK.get(p.kind, 3))
+            if best is None or order < best[0]:
+                best = (order, p)
+        return None if best is None else best[1]

@@ -1,0 +1,27 @@
+"""Window slots: what one position of the window holds after its last use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kamera_engine import KV
+
+from .chunks import Antecedent, ChunkId
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A chunk in the window and its materialised KV.
+
+    ``kv`` is the chunk's conditioned KV in the position-free frame (keys at angle 0), so every later
+    placement is one rotation from angle 0, never a chain. ``antecedent`` is what that KV is conditioned
+    on. Slots are immutable: an operation builds new slots, so forks can share the old ones.
+    """
+
+    chunk_id: ChunkId
+    kv: KV | None = None
+    antecedent: Antecedent | None = None
+    source: str = ""
+
+    def materialised(self) -> bool:
+        return self.kv is not None and self.antecedent is not None

@@ -1,0 +1,478 @@
+"""``ContextWindow``: an agent's context as a set of position-free chunks.
+
+Data flows one way: chunk in -> canonical -> plan -> assemble -> decode. Window operations (reorder,
+slide, evict/recall, fork) only edit the slot list; the next use plans how each slot's KV is obtained
+(see ``policies/``) and the executor assembles it. Every operation validates its arguments before it
+changes anything, so a refused operation leaves the window as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Literal, overload
+
+import torch
+from pydantic import BaseModel
+
+from kamera_engine import (
+    KV,
+    ChunkNotFoundError,
+    Engine,
+    InvalidInputError,
+    SamplingParams,
+    WindowOperationError,
+)
+
+from .chunks import Chunk, ChunkId, ChunkTable, StoredPatch, content_id
+from .config import WindowConfig
+from .executor import Execution, Executor
+from .graph import DependencyGraph
+from .placement import best_order
+from .plan import Plan, Source
+from .policies import ReusePolicy, WindowView, make_policy
+from .slots import Slot
+from .stats import Decision, WindowStats
+
+
+class DisposabilityResult(BaseModel):
+    """Outcome of the disposability test (core paper, appendix E)."""
+
+    chunk: str
+    mode: str  # "conditioning": the chunk's patch toggled off; "chunk": the chunk dropped
+    disposable: bool
+    answer_with: str
+    answer_without: str
+
+
+class ContextWindow:
+    """A window of chunks served by a reuse policy over one engine.
+
+    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind`` (and any registered policy).
+    ``rank``: patch rank m. ``budget_tokens``: slide the oldest chunks out when the window exceeds it.
+    ``store``: where canonicals and patches persist (None: this process only).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: str | ReusePolicy = "kamera",
+        rank: int = 32,
+        budget_tokens: int | None = None,
+        store: object | None = None,
+        *,
+        config: WindowConfig | None = None,
+    ) -> None:
+        if config is None:
+            config = WindowConfig(rank=rank, budget_tokens=budget_tokens)
+        elif rank != 32 or budget_tokens is not None:
+            raise InvalidInputError("pass rank/budget_tokens either directly or inside config, not both")
+        self.engine = engine
+        self.config = config
+        self.policy = make_policy(policy)
+        self.store = store
+        self._table = ChunkTable()
+        self._slots: list[Slot] = []
+        self._evicted: list[ChunkId] = []
+        self._graph = DependencyGraph()
+        self._stats = WindowStats(policy=self.policy.name)
+        self._step = 0
+        self._version = 0
+        self._cache: tuple[int, Plan, KV] | None = None
+        self._last_execution: Execution | None = None
+        self._executor = Executor(engine, self._table, config, self._stats)
+
+    # --- inspection ----------------------------------------------------------------------------
+    @property
+    def chunks(self) -> list[ChunkId]:
+        """Chunk ids in window order."""
+        return [s.chunk_id for s in self._slots]
+
+    @property
+    def evicted(self) -> list[ChunkId]:
+        """Chunks evicted from the window and still recallable (oldest first)."""
+        return list(self._evicted)
+
+    @property
+    def graph(self) -> DependencyGraph:
+        """The dependency graph of conditioning (antecedent -> patch -> dependent)."""
+        return self._graph
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the window, chunks only (the chat anchor and prompt excluded)."""
+        return sum(len(self._table.get(s.chunk_id)) for s in self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, chunk_id: object) -> bool:
+        return any(s.chunk_id == chunk_id for s in self._slots)
+
+    def chunk(self, chunk_id: ChunkId) -> Chunk:
+        """The table entry of a known chunk (in the window or evicted)."""
+        return self._table.get(chunk_id)
+
+    def stats(self) -> WindowStats:
+        """A snapshot of what this window has done."""
+        return self._stats.model_copy(deep=True)
+
+    # --- adding content ------------------------------------------------------------------------
+    def add_text(self, text: str) -> ChunkId:
+        """Append a text chunk; returns its content id. Known content is not recomputed."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError("add_text needs a non-empty string")
+        cid = content_id("text", text.encode())
+        if cid in self._table:
+            return self._append_known(cid)
+        return self._add(Chunk(cid, "text", self.engine.tokenize(text), text=text))
+
+    def add(self, token_ids: Sequence[int], *, kind: str = "tokens", text: str | None = None) -> ChunkId:
+        """Append a pre-tokenised chunk."""
+        ids = [int(t) for t in token_ids]
+        vocab = int(self.engine.model.config.vocab_size)
+        if not ids:
+            raise InvalidInputError("a chunk needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInputError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        cid = content_id(kind, torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        if cid in self._table:
+            return self._append_known(cid)
+        return self._add(Chunk(cid, kind, ids, text=text))
+
+    def _add(self, chunk: Chunk) -> ChunkId:
+        entry = self._table.put(chunk)
+        self._graph.add_chunk(entry.id)
+        if self.policy.needs_canonical:
+            self._executor.canonical(entry)  # written at arrival
+        self._slots.append(Slot(entry.id))
+        self._changed("add")
+        self._enforce_budget()
+        return entry.id
+
+    def _append_known(self, cid: ChunkId) -> ChunkId:
+        if cid in self:
+            return cid  # a window is a set: already present, nothing to do
+        if cid in self._evicted:
+            self.recall(cid)
+            return cid
+        self._stats.canonicals_reused += 1
+        self._slots.append(Slot(cid))
+        self._changed("add")
+        self._enforce_budget()
+        return cid
+
+    # --- window operations ---------------------------------------------------------------------
+    def evict(self, chunk_id: ChunkId) -> None:
+        """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled."""
+        idx = self._index(chunk_id)
+        t0 = time.perf_counter()
+        self._slots.pop(idx)
+        self._evicted.append(chunk_id)
+        self._mark_dependents(chunk_id)
+        self._changed("evict", t0)
+
+    def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
+        """Re-admit an evicted chunk at slot index ``at`` (default: the end). No re-encode; its next use
+        forms a fresh patch on its now-fixed earlier context (or reuses one formed on that same context)."""
+        if chunk_id in self:
+            raise WindowOperationError(f"chunk {chunk_id!r} is already in the window")
+        if chunk_id not in self._evicted:
+            if chunk_id in self._table:
+                raise WindowOperationError(f"chunk {chunk_id!r} was not evicted")
+            raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+        pos = len(self._slots) if at is None else at
+        if not isinstance(pos, int) or not 0 <= pos <= len(self._slots):
+            raise InvalidInputError(f"recall position must be in [0, {len(self._slots)}], got {at!r}")
+        t0 = time.perf_counter()
+        self._evicted.remove(chunk_id)
+        self._slots.insert(pos, Slot(chunk_id))
+        for later in self._slots[pos + 1 :]:
+            self._mark_dependents_of_slot(later.chunk_id)
+        self._changed("recall", t0)
+        self._enforce_budget()
+
+    def slide(self, n: int = 1) -> list[ChunkId]:
+        """Drop the oldest ``n`` chunks (they stay recallable); survivors only need rotation."""
+        if not isinstance(n, int) or n < 0 or n > len(self._slots):
+            raise WindowOperationError(f"cannot slide {n!r} chunks out of a window of {len(self._slots)}")
+        t0 = time.perf_counter()
+        gone = [s.chunk_id for s in self._slots[:n]]
+        del self._slots[:n]
+        self._evicted.extend(gone)
+        self._changed("slide", t0)
+        return gone
+
+    def reorder(self, order: Sequence[ChunkId] | Literal["auto"]) -> list[ChunkId]:
+        """Put the window's chunks in ``order`` (a permutation of the window), or ``"auto"``: the order
+        that maximises reuse of stored conditioning (see ``placement``). Returns the new order."""
+        if isinstance(order, str):
+            if order != "auto":
+                raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', got {order!r}")
+            order = best_order(self._view(), self.config)
+        order = list(order)
+        current = self.chunks
+        if sorted(order) != sorted(current) or len(set(order)) != len(order):
+            missing = sorted(set(current) - set(order))
+            unknown = sorted(set(order) - set(current))
+            raise InvalidInputError(
+                f"reorder needs a permutation of the current window; missing {missing}, unknown {unknown}, "
+                f"{len(order)} given for {len(current)}"
+            )
+        t0 = time.perf_counter()
+        by_id = {s.chunk_id: s for s in self._slots}
+        self._slots = [by_id[c] for c in order]
+        if self.config.reorder_patch == "orbit" and self.policy.name == "kamera":
+            self._form_missing_orbit_patches()
+        self._changed("reorder", t0)
+        return order
+
+    def fork(self) -> ContextWindow:
+        """Copy-on-write branch: canonicals, patches and current slot KV are shared, not copied; each
+        branch edits only its own slot list from here on."""
+        child = ContextWindow.__new__(ContextWindow)
+        child.engine = self.engine
+        child.config = self.config
+        child.policy = self.policy.fork()
+        child.store = self.store
+        child._table = self._table
+        child._slots = list(self._slots)  # Slot objects are immutable; tensors shared
+        child._evicted = list(self._evicted)
+        child._graph = self._graph.copy()
+        child._stats = WindowStats(policy=self.policy.name)
+        child._step = self._step
+        child._version = 0
+        child._cache = None
+        child._last_execution = None
+        child._executor = Executor(self.engine, self._table, self.config, child._stats)
+        self._stats.time("fork", 0.0)
+        return child
+
+    # --- using the window ----------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """The plan the next use would execute (nothing is run)."""
+        return self.policy.plan(self._view())
+
+    def assemble(self) -> KV:
+        """Materialise the window: the anchor and every chunk's KV, placed."""
+        return self._materialise()[1]
+
+    def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
+        """Log-probabilities (vocab,) of the next token after the prompt."""
+        plan, past = self._materialise()
+        ids = self._prompt_ids(prompt)
+        t0 = time.perf_counter()
+        lp = self.engine.next_token_logprobs(past, ids, plan.end)
+        self._count_prompt(ids, t0)
+        return lp
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[False] = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: Sequence[str] | None = ...,
+        seed: int | None = ...,
+    ) -> str: ...
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[True],
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: Sequence[str] | None = ...,
+        seed: int | None = ...,
+    ) -> Iterator[str]: ...
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> str | Iterator[str]:
+        """Answer the prompt over the window (greedy by default); ``stream=True`` yields text pieces."""
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop or ()), seed=seed
+        )
+        params.validate()
+        plan, past = self._materialise()
+        ids = self._prompt_ids(prompt)
+        t0 = time.perf_counter()
+        pieces = self.engine.generate(past, ids, plan.end, params)
+        self._count_prompt(ids, t0)
+        return pieces if stream else "".join(pieces)
+
+    def is_disposable(
+        self, chunk_id: ChunkId, prompt: str | Sequence[int], *, mode: str = "conditioning", max_new_tokens: int = 16
+    ) -> DisposabilityResult:
+        """Does the answer hold without ``chunk_id``'s conditioning (``mode="conditioning"``: its slot served
+        from the canonical, patch off) or without the chunk (``mode="chunk"``)? Costs one extra decode."""
+        idx = self._index(chunk_id)
+        if mode not in ("conditioning", "chunk"):
+            raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
+        with_answer = self.generate(prompt, max_new_tokens)
+        plan, _ = self._materialise()
+        execution = self._last_execution
+        assert execution is not None
+        parts = [self.engine.anchor_kv]
+        pos = plan.anchor_len
+        for i, sp in enumerate(plan.slots):
+            if i == idx:
+                if mode == "chunk":
+                    continue
+                canonical = self._executor.canonical(sp.chunk)
+                parts.append(self.engine.apply(canonical, None, pos))
+            else:
+                kv = execution.placed[i]
+                parts.append(kv if int(kv.positions[0]) == pos else self.engine.relocate(kv, pos, exact=False))
+            pos += len(sp.chunk)
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        without = "".join(self.engine.generate(KV.cat(parts), self._prompt_ids(prompt), pos, params))
+        return DisposabilityResult(
+            chunk=chunk_id,
+            mode=mode,
+            disposable=without.strip() == with_answer.strip(),
+            answer_with=with_answer,
+            answer_without=without,
+        )
+
+    def form_orbit_patch(self, chunk_id: ChunkId) -> StoredPatch:
+        """Form (and store) an orbit patch for ``chunk_id`` over orderings of its current predecessor set:
+        Delta averaged over orderings (all up to ``orbit_exhaustive_max`` predecessors, a seeded sample
+        beyond), one conditioned forward per ordering. One patch then serves every ordering (§5)."""
+        idx = self._index(chunk_id)
+        preds = self.chunks[:idx]
+        if not preds:
+            raise WindowOperationError("the leading chunk needs no patch")
+        chunk = self._table.get(chunk_id)
+        orderings = self._orderings(preds)
+        t0 = time.perf_counter()
+        conditioned = []
+        for ordering in orderings:
+            ids = [t for c in ordering for t in self._table.get(c).token_ids] + chunk.token_ids
+            res = self.engine.forward(ids, self.engine.anchor_kv, len(self.engine.anchor_ids), logits="none")
+            self._stats.forwards += 1
+            self._stats.tokens_prefilled += len(ids)
+            conditioned.append(res.kv.slice(len(ids) - len(chunk), len(ids)))
+        canonical = self._executor.canonical(chunk)
+        patch = self.engine.form_patch(conditioned, canonical, self.config.rank, dtype=self.config.torch_patch_dtype())
+        stored = StoredPatch(patch, tuple(preds), kind="orbit", orderings=len(orderings))
+        self._table.add_patch(chunk, stored)
+        self._stats.orbit_patches_formed += 1
+        self._stats.patch_bytes += patch.nbytes
+        self._stats.time("orbit_patch", time.perf_counter() - t0)
+        return stored
+
+    # --- internals -----------------------------------------------------------------------------
+    def _orderings(self, preds: list[ChunkId]) -> list[tuple[ChunkId, ...]]:
+        if len(preds) <= self.config.orbit_exhaustive_max:
+            return list(itertools.permutations(preds))
+        rng = random.Random(self.config.seed)
+        seen = {tuple(preds)}
+        out = [tuple(preds)]
+        while len(out) < self.config.orbit_samples:
+            perm = tuple(rng.sample(preds, len(preds)))
+            if perm not in seen:
+                seen.add(perm)
+                out.append(perm)
+        return out
+
+    def _form_missing_orbit_patches(self) -> None:
+        for i, cid in enumerate(self.chunks):
+            if i == 0:
+                continue
+            chunk = self._table.get(cid)
+            preds = frozenset(self.chunks[:i])
+            if not any(p.kind == "orbit" and p.antecedent_set == preds for p in chunk.patches):
+                self.form_orbit_patch(cid)
+
+    def _view(self) -> WindowView:
+        return WindowView(self.engine, self.config, self._table, self._slots, self._graph, self._step)
+
+    def _index(self, chunk_id: ChunkId) -> int:
+        for i, s in enumerate(self._slots):
+            if s.chunk_id == chunk_id:
+                return i
+        if chunk_id in self._table:
+            raise WindowOperationError(f"chunk {chunk_id!r} is not in the window (evicted)")
+        raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("prompt must not be empty")
+            return self.engine.prompt_ids(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidInputError("prompt must not be empty")
+        return ids
+
+    def _count_prompt(self, ids: list[int], t0: float) -> None:
+        self._stats.forwards += 1
+        self._stats.prompt_tokens += len(ids)
+        self._stats.time("prompt", time.perf_counter() - t0)
+
+    def _changed(self, op: str, t0: float | None = None) -> None:
+        self._version += 1
+        self._step += 1
+        if t0 is not None:
+            self._stats.time(op, time.perf_counter() - t0)
+
+    def _mark_dependents(self, chunk_id: ChunkId) -> None:
+        deps = [d for d in self._graph.dependents(chunk_id) if d in self]
+        self._graph.mark_stale(deps)
+        self._stats.cascade_marked += len(deps)
+
+    def _mark_dependents_of_slot(self, chunk_id: ChunkId) -> None:
+        self._graph.mark_stale([chunk_id])
+        self._stats.cascade_marked += 1
+
+    def _enforce_budget(self) -> None:
+        budget = self.config.budget_tokens
+        while budget is not None and len(self._slots) > 1 and self.tokens > budget:
+            self.slide(1)
+
+    def _materialise(self) -> tuple[Plan, KV]:
+        if not self._slots:
+            raise WindowOperationError("the window is empty: add a chunk first")
+        if self._cache is not None and self._cache[0] == self._version:
+            return self._cache[1], self._cache[2]
+        t0 = time.perf_counter()
+        plan = self.policy.plan(self._view())
+        stale_before = {s.chunk_id for s in self._slots if self._graph.is_stale(s.chunk_id)}
+        execution: Execution = self._executor.run(plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step)
+        self._stats.cascade_rematerialised += sum(
+            1 for sp in plan.slots if sp.chunk.id in stale_before and sp.source is Source.FORWARD
+        )
+        for sp in plan.slots:
+            if sp.source is Source.PATCH and sp.patch is not None:
+                if sp.patch.antecedent == sp.antecedent:
+                    continue
+                self._stats.envelope_reuse += 1
+            elif sp.source is Source.FORWARD and sp.reason == "antecedent outside the envelope":
+                self._stats.envelope_rebuild += 1
+        self.policy.observe(plan, execution.placed)
+        self._slots = execution.slots
+        self._last_execution = execution
+        self._cache = (self._version, plan, execution.assembled)
+        self._stats.time("materialise", time.perf_counter() - t0)
+        self._log_plan(plan)
+        return plan, execution.assembled
+
+    def _log_plan(self, plan: Plan) -> None:
+        self._stats.log(Decision(step=self._step, chunk="*", source="plan", reason=plan.summary()))
