@@ -208,6 +208,9 @@ def apply_patch(
     canonical: position-free KV (L, T, H, D). ``patch=None`` gives blind reuse (relocation only).
     ``exact=False`` rotates in the KV dtype (serving path); ``True`` rotates in float64 (reference).
     ``out``: optional preallocated placed KV (same shapes) to write into, e.g. a slot of the window.
+
+    The serving path works layer by layer so each layer's GEMM output is rotated while it is still in
+    cache: one read of the canonical and one write of the result per layer.
     """
     if not canonical.is_free:
         raise InvalidInputError("apply_patch wants a position-free canonical")
@@ -217,25 +220,44 @@ def apply_patch(
         raise InvalidInputError(f"target positions shape {tuple(tgt.shape)} != ({n_tok},)")
     if patch is not None and patch.num_tokens != n_tok:
         raise InvalidInputError(f"patch covers {patch.num_tokens} tokens, canonical has {n_tok}")
+    if exact:
+        free = reconstruct(canonical, patch)
+        keys = rotate_keys(free.keys, spec, tgt, None, exact=True)
+        if out is not None:
+            out.keys.copy_(keys)
+            out.values.copy_(free.values)
+            return KV(out.keys, out.values, tgt)
+        return KV(keys, free.values.clone() if patch is None else free.values, tgt)
     keys = out.keys if out is not None else torch.empty_like(canonical.keys)
     values = out.values if out is not None else torch.empty_like(canonical.values)
-    keys.copy_(canonical.keys)
-    values.copy_(canonical.values)
-    if patch is not None:
-        idx = list(patch.layers)
-        if idx == list(range(n_layers)):
-            # One batched GEMM over all layers: (L, T, m) @ (L, m, H*D), accumulated in place.
-            k_flat = keys.view(n_layers, n_tok, -1)
-            v_flat = values.view(n_layers, n_tok, -1)
-            k_flat.baddbmm_(patch.k_u.to(keys.dtype), patch.k_vt.to(keys.dtype))
-            v_flat.baddbmm_(patch.v_u.to(values.dtype), patch.v_vt.to(values.dtype))
+    cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
+    fast = spec.style == "half" and spec.rotary_dim == canonical.keys.shape[-1]
+    if fast:
+        # rotate-half as one multiply-add: x * [c, c] + roll(x, r/2) * [-s, s]
+        cc = torch.cat([cos, cos], dim=-1)[:, None, :]  # (T, 1, D)
+        ss = torch.cat([-sin, sin], dim=-1)[:, None, :]
+    half = spec.rotary_dim // 2
+    k_rows = dict(zip(patch.layers, range(len(patch.layers)), strict=True)) if patch is not None else {}
+    for layer in range(n_layers):
+        k_src, v_src = canonical.keys[layer], canonical.values[layer]  # (T, H, D)
+        j = k_rows.get(layer)
+        if j is not None:
+            assert patch is not None
+            # (T, H*D) + (T, m) @ (m, H*D)
+            k_src = torch.addmm(k_src.reshape(n_tok, -1), patch.k_u[j].to(keys.dtype), patch.k_vt[j].to(keys.dtype))
+            k_src = k_src.view_as(keys[layer])
+            torch.addmm(
+                v_src.reshape(n_tok, -1),
+                patch.v_u[j].to(values.dtype),
+                patch.v_vt[j].to(values.dtype),
+                out=values[layer].view(n_tok, -1),
+            )
         else:
-            for j, layer in enumerate(idx):
-                keys[layer].view(n_tok, -1).addmm_(patch.k_u[j].to(keys.dtype), patch.k_vt[j].to(keys.dtype))
-                values[layer].view(n_tok, -1).addmm_(patch.v_u[j].to(values.dtype), patch.v_vt[j].to(values.dtype))
-    if exact:
-        keys.copy_(rotate_keys(keys, spec, tgt, None, exact=True))
-    else:
-        cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
-        apply_rotation_(keys, cos, sin, spec)
+            values[layer].copy_(v_src)
+        if fast:
+            torch.mul(k_src, cc, out=keys[layer])
+            keys[layer].addcmul_(k_src.roll(half, -1), ss)
+        else:
+            keys[layer].copy_(k_src)
+            apply_rotation_(keys[layer], cos, sin, spec)
     return KV(keys, values, tgt)
