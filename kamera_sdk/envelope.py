@@ -51,6 +51,10 @@ def judge(formed_on: Antecedent, current: Antecedent, config: EnvelopeConfig) ->
     added = len(new_set - old_set)
     if dropped == 0 and added == 0 and duplicated == 0:
         return EnvelopeDecision(reuse=config.allow_reorder, relation="reordered")
+    common_old = list(dict.fromkeys(c for c in formed_on if c in new_set))
+    common_new = list(dict.fromkeys(c for c in current if c in old_set))
+    if common_old != common_new and not config.allow_reorder:
+        return EnvelopeDecision(reuse=False, relation="reordered", dropped=dropped, added=added, duplicated=duplicated)
     if not (old_set & new_set) and old_set:
         return EnvelopeDecision(reuse=False, relation="disjoint", dropped=dropped, added=added)
     replaced = min(dropped, added)

@@ -320,13 +320,14 @@ class ContextWindow:
     def is_disposable(
         self, chunk_id: ChunkId, prompt: str | Sequence[int], *, mode: str = "conditioning", max_new_tokens: int = 16
     ) -> DisposabilityResult:
-        """Does the answer hold without ``chunk_id``'s conditioning (``mode="conditioning"``: its slot served
-        from the canonical, patch off) or without the chunk (``mode="chunk"``)? Costs one extra decode."""
-        idx = self._index(chunk_id)
+        """Does the greedy answer hold without ``chunk_id``'s conditioning (``mode="conditioning"``: its slot
+        served from the canonical, patch off) or without the chunk (``mode="chunk"``)? Two decodes over KV
+        the window already holds; no chunk is prefilled again (appendix E)."""
         if mode not in ("conditioning", "chunk"):
             raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
-        with_answer = self.generate(prompt, max_new_tokens)
-        plan, _ = self._materialise()
+        idx = self._index(chunk_id)
+        ids = self._prompt_ids(prompt)
+        plan, past = self._materialise()
         execution = self._last_execution
         assert execution is not None
         parts = [self.engine.anchor_kv]
@@ -335,21 +336,29 @@ class ContextWindow:
             if i == idx:
                 if mode == "chunk":
                     continue
-                canonical = self._executor.canonical(sp.chunk)
-                parts.append(self.engine.apply(canonical, None, pos))
+                parts.append(self.engine.apply(self._executor.canonical(sp.chunk), None, pos))
             else:
                 kv = execution.placed[i]
                 parts.append(kv if int(kv.positions[0]) == pos else self.engine.relocate(kv, pos, exact=False))
             pos += len(sp.chunk)
-        params = SamplingParams(max_new_tokens=max_new_tokens)
-        without = "".join(self.engine.generate(KV.cat(parts), self._prompt_ids(prompt), pos, params))
+        answers = []
+        for kv, start in ((past, plan.end), (KV.cat(parts), pos)):
+            t0 = time.perf_counter()
+            tokens = list(self.engine.generate_ids(kv, ids, start, SamplingParams(max_new_tokens=max_new_tokens)))
+            self._count_prompt(ids, t0)
+            answers.append(tokens)
+        text = [self._decode(a) for a in answers]
         return DisposabilityResult(
             chunk=chunk_id,
             mode=mode,
-            disposable=without.strip() == with_answer.strip(),
-            answer_with=with_answer,
-            answer_without=without,
+            disposable=answers[0] == answers[1],
+            answer_with=text[0],
+            answer_without=text[1],
         )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode(token_ids, skip_special_tokens=True) if tok is not None else str(token_ids)
 
     def form_orbit_patch(self, chunk_id: ChunkId) -> StoredPatch:
         """Form (and store) an orbit patch for ``chunk_id`` over orderings of its current predecessor set:
@@ -457,7 +466,7 @@ class ContextWindow:
         stale_before = {s.chunk_id for s in self._slots if self._graph.is_stale(s.chunk_id)}
         execution: Execution = self._executor.run(plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step)
         self._stats.cascade_rematerialised += sum(
-            1 for sp in plan.slots if sp.chunk.id in stale_before and sp.source is Source.FORWARD
+            1 for sp in plan.slots if sp.chunk.id in stale_before and sp.source in (Source.FORWARD, Source.PATCH)
         )
         for sp in plan.slots:
             if sp.source is Source.PATCH and sp.patch is not None:

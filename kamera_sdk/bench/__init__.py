@@ -1,0 +1,21 @@
+"""Benchmarks behind ``kamera bench <name>``: each module has ``run(engine, quick=...) -> dict``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+#: bench name -> module (imported lazily so ``kamera --help`` stays fast)
+BENCHES: dict[str, str] = {
+    "operator": "kamera_sdk.bench.operator",
+    "window": "kamera_sdk.bench.window",
+}
+
+
+def get_bench(name: str) -> Callable[..., dict[str, Any]]:
+    from kamera_engine import InvalidInputError
+
+    if name not in BENCHES:
+        raise InvalidInputError(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
+    return importlib.import_module(BENCHES[name]).run

@@ -1,0 +1,35 @@
+"""Small measurement helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """KL(ref || other) of two next-token log-probability vectors."""
+    return float((ref_logprobs.exp() * (ref_logprobs - logprobs)).sum().clamp_min(0.0))
+
+
+def eta(kl_repaired: float, kl_blind: float) -> float:
+    """Fraction of the blind-reuse -> re-prefill KL gap a repair closes (1 = all of it)."""
+    return 1.0 - kl_repaired / kl_blind if kl_blind > 0 else 1.0
+
+
+def timed(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs, after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")

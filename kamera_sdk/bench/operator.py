@@ -1,0 +1,250 @@
+"""``kamera bench operator``: the position-free operator on the default model (issue figures of §3-4).
+
+Fidelity on real-text multi-hop probes (three chunks of >= 128 tokens, answer needs more than one):
+blind reuse vs rank-m patches vs re-prefill, by next-token KL. Exactness of relocation. The three
+reorder arms (exact / transfer / orbit). Speed of relocate + patch vs re-prefilling a chunk in context
+at 256 / 1024 / 2048 tokens, bytes of patches, and how close apply runs to memcpy bandwidth.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from kamera_engine import KV, Engine, apply_patch
+from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
+
+from ..console import err, track
+from .corpus import Probe, load_corpus
+from .metrics import eta, kl, mean, timed
+
+RANKS = (8, 16, 32, 64)
+TARGETS = (None, 1000, 4000, 8000)  # None = the canonical's own place, right after the anchor
+LENGTHS = (256, 1024, 2048)
+
+
+def relocation_error(engine: Engine, ids: list[int]) -> dict[str, float]:
+    """Relocated keys vs keys rotated to the target by the model's own RoPE code (all layers, fp32),
+    and the float32 drift of a real re-prefill at another position (values never move, so any value
+    difference there is the forward pass's own rounding, not relocation)."""
+    _ = engine.anchor_kv
+    with capture_pre_rope_keys(engine.model) as pre:
+        can = engine.canonical(ids)
+    a = len(engine.anchor_ids)
+    worst, drift = 0.0, 0.0
+    for t in TARGETS:
+        target = a if t is None else t
+        positions = torch.arange(target, target + len(ids))
+        placed = engine.relocate(can, positions)
+        for layer, k in enumerate(pre):
+            ref = reference_rotate(engine.model, engine.adapter, k[..., -len(ids) :, :], positions)[0].transpose(0, 1)
+            worst = max(worst, (placed.keys[layer] - ref).abs().max().item())
+        shifted = engine.forward(engine.anchor_ids + ids, None, target - a, logits="none").kv.slice(a, a + len(ids))
+        drift = max(drift, (shifted.values - can.values).abs().max().item())
+    return {"relocation_max_abs_err": worst, "reprefill_drift_max_abs_err": drift}
+
+
+class _ProbeRun:
+    """One probe: reference re-prefill, canonicals, conditioned KV of every chunk."""
+
+    def __init__(self, engine: Engine, probe: Probe) -> None:
+        e = engine
+        self.e = e
+        self.chunks = [e.tokenize(c + "\n\n") for c in probe.chunks]
+        self.q = e.prompt_ids(probe.question)
+        ids = e.anchor_ids + [t for c in self.chunks for t in c]
+        self.full = e.forward(ids, None, 0, logits="none").kv
+        self.starts = []
+        pos = len(e.anchor_ids)
+        for c in self.chunks:
+            self.starts.append(pos)
+            pos += len(c)
+        self.cond = [self.full.slice(s, s + len(c)) for s, c in zip(self.starts, self.chunks, strict=True)]
+        self.can = [e.canonical(c) for c in self.chunks]
+        self.ref = e.next_token_logprobs(self.full, self.q, len(self.full))
+
+    def logprobs(self, served: list[KV]) -> torch.Tensor:
+        past = KV.cat([self.e.anchor_kv, *served])
+        return self.e.next_token_logprobs(past, self.q, len(past))
+
+    def blind(self) -> torch.Tensor:
+        return self.logprobs([self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)])
+
+    def patched(self, rank: int, layers: list[int] | None = None) -> torch.Tensor:
+        served = [self.e.apply(self.can[0], None, self.starts[0])]
+        for i in range(1, len(self.chunks)):
+            patch = self.e.form_patch(self.cond[i], self.can[i], rank, layers=layers)
+            served.append(self.e.apply(self.can[i], patch, self.starts[i]))
+        return self.logprobs(served)
+
+
+def fidelity(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
+    blind, by_rank, deep = [], {r: [] for r in RANKS}, []
+    flips, restored = 0, {r: 0 for r in RANKS}
+    for probe in track(probes, "fidelity probes"):
+        run = _ProbeRun(engine, probe)
+        lp_blind = run.blind()
+        blind.append(kl(run.ref, lp_blind))
+        flip = int(lp_blind.argmax()) != int(run.ref.argmax())
+        flips += flip
+        for r in RANKS:
+            lp = run.patched(r)
+            by_rank[r].append(kl(run.ref, lp))
+            restored[r] += flip and int(lp.argmax()) == int(run.ref.argmax())
+        deep.append(kl(run.ref, run.patched(32, engine.deep_layers(0.5))))
+    kb = mean(blind)
+    return {
+        "blind_kl": kb,
+        "patch_kl": {str(r): mean(v) for r, v in by_rank.items()},
+        "eta": {str(r): eta(mean(v), kb) for r, v in by_rank.items()},
+        "eta_deep_half_rank32": eta(mean(deep), kb),
+        "blind_flips": flips,
+        "flip_recover": {str(r): (restored[r] / flips if flips else None) for r in RANKS},
+        "probes": len(probes),
+    }
+
+
+def anchor_choice(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
+    """Blind KL with the chat header as the canonical's anchor vs no anchor at all (choose by data)."""
+    with_header, none = [], []
+    for probe in track(probes, "anchor choice"):
+        run = _ProbeRun(engine, probe)
+        with_header.append(kl(run.ref, run.blind()))
+        bare = [
+            engine.apply(engine.canonical(c, anchored=False), None, s)
+            for c, s in zip(run.chunks, run.starts, strict=True)
+        ]
+        bare[0] = engine.apply(run.can[0], None, run.starts[0])  # the leading chunk is exact either way
+        none.append(kl(run.ref, run.logprobs(bare)))
+    chosen = "chat_header" if mean(with_header) <= mean(none) else "none"
+    return {"blind_kl_chat_header": mean(with_header), "blind_kl_no_anchor": mean(none), "chosen": chosen}
+
+
+def reorder_arms(engine: Engine, probes: list[Probe], rank: int = 32) -> dict[str, Any]:
+    """Three predecessors, B last: the ordering's own patch (exact), the patch formed in the original
+    order (transfer), and the orbit patch averaged over the other orderings (held out)."""
+    e = engine
+    arms: dict[str, list[float]] = {"exact": [], "transfer": [], "orbit": [], "blind": []}
+    for i, probe in enumerate(track(probes, "reorder arms")):
+        distractor = probes[(i + 1) % len(probes)].chunks[0]
+        preds = [e.tokenize(t + "\n\n") for t in (probe.chunks[0], probe.chunks[1], distractor)]
+        b = e.tokenize(probe.chunks[2] + "\n\n")
+        q = e.prompt_ids(probe.question)
+        can_b = e.canonical(b)
+        a = len(e.anchor_ids)
+        runs = {}
+        for perm in itertools.permutations(range(3)):
+            ids = e.anchor_ids + [t for j in perm for t in preds[j]] + b
+            full = e.forward(ids, None, 0, logits="none").kv
+            runs[perm] = full
+        start_b = a + sum(len(p) for p in preds)
+        cond = {perm: full.slice(start_b, start_b + len(b)) for perm, full in runs.items()}
+        identity = (0, 1, 2)
+        transfer_patch = e.form_patch(cond[identity], can_b, rank)
+        for perm, full in runs.items():
+            if perm == identity:
+                continue
+            head = full.slice(0, start_b)
+            ref = e.next_token_logprobs(full, q, len(full))
+
+            def lp(kv_b: KV, head: KV = head, q: list[int] = q) -> torch.Tensor:
+                past = KV.cat([head, kv_b])
+                return e.next_token_logprobs(past, q, len(past))
+
+            orbit = e.form_patch([cond[p] for p in runs if p != perm], can_b, rank)
+            arms["blind"].append(kl(ref, lp(e.apply(can_b, None, start_b))))
+            arms["exact"].append(kl(ref, lp(e.apply(can_b, e.form_patch(cond[perm], can_b, rank), start_b))))
+            arms["transfer"].append(kl(ref, lp(e.apply(can_b, transfer_patch, start_b))))
+            arms["orbit"].append(kl(ref, lp(e.apply(can_b, orbit, start_b))))
+    kb = mean(arms["blind"])
+    return {
+        "rank": rank,
+        "blind_kl": kb,
+        "kl": {k: mean(v) for k, v in arms.items() if k != "blind"},
+        "eta": {k: eta(mean(v), kb) for k, v in arms.items() if k != "blind"},
+    }
+
+
+def _text_tokens(engine: Engine, n: int) -> list[int]:
+    corpus = load_corpus()
+    ids: list[int] = []
+    for page in itertools.cycle(corpus.pages):
+        ids += engine.tokenize(page.text + "\n\n")
+        if len(ids) >= n:
+            return ids[:n]
+    raise AssertionError("unreachable")
+
+
+def speed(engine: Engine, lengths: tuple[int, ...] = LENGTHS, context: int = 512) -> dict[str, Any]:
+    """Re-prefill a chunk in context vs relocate + rank-32 patch, per chunk length."""
+    e = engine
+    out: dict[str, Any] = {}
+    ctx_ids = _text_tokens(e, context + max(lengths))
+    a = len(e.anchor_ids)
+    ctx = KV.cat([e.anchor_kv, e.forward(ctx_ids[:context], e.anchor_kv, a, logits="none").kv])
+    for n in track(lengths, "speed"):
+        ids = ctx_ids[context : context + n]
+        reprefill = timed(lambda ids=ids: e.forward(ids, ctx, a + context, logits="none"), repeat=3)
+        cond = e.forward(ids, ctx, a + context, logits="none").kv
+        can = e.canonical(ids)
+        patch = e.form_patch(cond, can, 32)
+        buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+        reuse = timed(
+            lambda can=can, patch=patch, buf=buf: apply_patch(can, patch, e.rope, a + context, out=buf), repeat=10
+        )
+        form = timed(lambda cond=cond, can=can: e.form_patch(cond, can, 32), repeat=3)
+        out[str(n)] = {
+            "reprefill_s": reprefill,
+            "reuse_s": reuse,
+            "speedup": reprefill / reuse,
+            "patch_form_s": form,
+            # forming costs a canonical forward + the conditioned forward + factorisation, once
+            "break_even_reuses": (2 * reprefill + form) / max(reprefill - reuse, 1e-9),
+        }
+    return out
+
+
+def bandwidth(engine: Engine, n: int = 1024) -> dict[str, Any]:
+    """Bytes moved per second by apply (read canonical + factors, write placed K/V) vs a plain copy."""
+    e = engine
+    ids = _text_tokens(e, n)
+    can = e.canonical(ids)
+    cond = e.forward(ids, e.anchor_kv, len(e.anchor_ids), logits="none").kv  # any conditioning will do
+    buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+    kv_bytes = can.nbytes
+    t_copy = timed(lambda: (buf.keys.copy_(can.keys), buf.values.copy_(can.values)), repeat=20)
+    result: dict[str, Any] = {"memcpy_gbps": 2 * kv_bytes / t_copy / 1e9, "apply_gbps_by_rank": {}}
+    t_rel = timed(lambda: apply_patch(can, None, e.rope, 5000, out=buf), repeat=20)
+    result["relocate_gbps"] = 2 * kv_bytes / t_rel / 1e9
+    fractions = {}
+    for r in RANKS:
+        patch = e.form_patch(cond, can, r)
+        t = timed(lambda patch=patch: apply_patch(can, patch, e.rope, 5000, out=buf), repeat=20)
+        result["apply_gbps_by_rank"][str(r)] = (2 * kv_bytes + patch.nbytes) / t / 1e9
+        fractions[str(r)] = patch.nbytes / kv_bytes
+    result["apply_gbps"] = result["apply_gbps_by_rank"]["32"]
+    result["patch_bytes_fraction"] = fractions
+    result["kv_bytes_per_token"] = kv_bytes / n
+    return result
+
+
+def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+    corpus = load_corpus()
+    probes = corpus.probes[:4] if quick else corpus.probes
+    err.print(f"[bold]operator[/] on {engine.name}: {len(probes)} probes")
+    result: dict[str, Any] = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype)}
+    result.update(relocation_error(engine, engine.tokenize(corpus.pages[0].text)))
+    result.update(fidelity(engine, probes))
+    result["anchor"] = anchor_choice(engine, probes[:4] if quick else probes)
+    result["reorder"] = reorder_arms(engine, probes[:2] if quick else probes[:6])
+    lengths = (256, 1024) if quick else LENGTHS
+    by_len = speed(engine, lengths)
+    result["speed_by_length"] = by_len
+    result["chunk_tokens"] = 1024
+    result["reprefill_s"] = by_len["1024"]["reprefill_s"]
+    result["reuse_s"] = by_len["1024"]["reuse_s"]
+    result["speedup"] = by_len["1024"]["speedup"]
+    result.update(bandwidth(engine))
+    return result

@@ -1,0 +1,127 @@
+"""The ``kamera`` command: ``demo``, ``bench <name>``, ``doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.table import Table
+
+from .console import err, out
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            rows += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(data, float):
+        rows.append((prefix, f"{data:.6g}"))
+    else:
+        rows.append((prefix, str(data)))
+    return rows
+
+
+def print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
+    """JSON on stdout with ``--json``; a readable table otherwise."""
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+        return
+    table = Table(title=title)
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    for k, v in _flatten(result):
+        table.add_row(k, v)
+    out.print(table)
+
+
+def _engine(args: argparse.Namespace):
+    from kamera_engine import Engine
+
+    with err.status(f"loading {args.model or 'the embedded default model'}"):
+        return Engine.load(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import get_bench
+
+    run = get_bench(args.name)
+    result = run(_engine(args), quick=args.quick)
+    print_result(result, args.json, f"kamera bench {args.name}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+    import transformers
+
+    from kamera_engine.attention import flash_attn_available
+
+    report: dict[str, Any] = {
+        "kamera": __import__("kamera_sdk").__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "flash_attn_installed": flash_attn_available(),
+        "threads": torch.get_num_threads(),
+    }
+    try:
+        engine = _engine(args)
+        report["default_model"] = engine.info().model_dump()
+        report["fingerprint"] = engine.fingerprint
+        report["model_loads"] = True
+    except Exception as exc:  # report, do not crash: this is the diagnostic command
+        report["model_loads"] = False
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    print_result(report, args.json, "kamera doctor")
+    return 0 if report["model_loads"] else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(_engine(args), quick=args.quick, as_json=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kamera",
+        description="Kamera: a position-free KV cache for agents. Store each chunk once, place it anywhere.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=None, help="HF id or local path (default: the embedded SmolLM2-135M)")
+    common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    common.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    common.add_argument("--quick", action="store_true", help="a shorter run (fewer probes / steps)")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", parents=[common], help="a short agent session: slide, reorder, recall vs recompute/prefix"
+    )
+    demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", parents=[common], help="run a benchmark (operator, window, ...)")
+    bench.add_argument("name", help="which benchmark: operator, window")
+    bench.set_defaults(func=cmd_bench)
+    doctor = sub.add_parser("doctor", parents=[common], help="versions, device, attention backend, default model")
+    doctor.set_defaults(func=cmd_doctor)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kamera_engine import KameraError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KameraError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

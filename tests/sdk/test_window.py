@@ -1,0 +1,229 @@
+"""ContextWindow on tiny random models: operations, plans, forks, graph, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kamera_engine import KV
+from kamera_sdk import (
+    ChunkNotFoundError,
+    ContextWindow,
+    InvalidInputError,
+    Source,
+    WindowConfig,
+    WindowOperationError,
+)
+from tests.conftest import ANCHOR, random_ids, tiny_engine
+
+PROMPT = [9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("llama", seed=3)
+
+
+def _reprefill_logprobs(engine, win: ContextWindow) -> torch.Tensor:
+    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
+    kv = engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="none").kv
+    past = KV.cat([engine.anchor_kv, kv])
+    return engine.next_token_logprobs(past, PROMPT, len(past))
+
+
+def _filled(engine, policy: str = "kamera", n: int = 4, **kw) -> tuple[ContextWindow, list[str]]:
+    win = ContextWindow(engine, policy=policy, **kw)
+    ids = [win.add(random_ids(12 + i, seed=100 + i)) for i in range(n)]
+    return win, ids
+
+
+def test_recompute_equals_reprefill_exactly(engine) -> None:
+    win, _ = _filled(engine, "recompute")
+    assert torch.equal(win.next_token_logprobs(PROMPT), _reprefill_logprobs(engine, win))
+
+
+def test_adding_known_content_costs_nothing(engine) -> None:
+    win, ids = _filled(engine)
+    before = win.stats()
+    assert win.add(random_ids(12, seed=100)) == ids[0]  # already in the window: a set, nothing happens
+    after = win.stats()
+    assert (after.forwards, after.canonicals_computed, len(win)) == (before.forwards, before.canonicals_computed, 4)
+    win.slide(1)
+    win.add(random_ids(12, seed=100))  # evicted content comes back as a recall, canonical reused
+    assert win.stats().canonicals_computed == before.canonicals_computed
+    assert win.chunks[-1] == ids[0]
+
+
+def test_slide_survivors_are_rotation_only(engine) -> None:
+    win, _ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    before = {s.chunk_id: s.kv for s in win._slots}
+    win.slide(1)
+    plan = win.plan()
+    assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.SURVIVOR, Source.SURVIVOR]
+    forwards = win.stats().forwards
+    assembled = win.assemble()
+    assert win.stats().forwards == forwards  # no forward pass at all
+    # a survivor's KV is the single rotation of its previous conditioned KV to the new place
+    sp = plan.slots[2]
+    expect = engine.relocate(before[sp.chunk.id], sp.start)
+    got = assembled.slice(sp.start, sp.start + len(sp.chunk))
+    assert (got.keys - expect.keys).abs().max() <= 1e-5 and torch.equal(got.values, expect.values)
+
+
+def test_new_chunk_forwards_once_and_forms_a_patch(engine) -> None:
+    win, _ = _filled(engine, n=2)
+    win.next_token_logprobs(PROMPT)
+    new = win.add(random_ids(10, seed=7))
+    plan = win.plan()
+    assert plan.slots[-1].source is Source.FORWARD and plan.slots[-1].chunk.id == new
+    tokens = win.stats().tokens_prefilled
+    win.next_token_logprobs(PROMPT)
+    st = win.stats()
+    assert st.tokens_prefilled - tokens == 10
+    assert len(win.chunk(new).patches) == 1
+
+
+def test_recall_gets_a_fresh_patch_and_reuses_it_in_the_same_context(engine) -> None:
+    win, ids = _filled(engine, n=3)
+    win.next_token_logprobs(PROMPT)
+    win.evict(ids[1])
+    win.next_token_logprobs(PROMPT)
+    win.recall(ids[1])
+    sp = win.plan().slots[-1]
+    assert sp.source is Source.FORWARD and "fresh" in sp.reason
+    win.next_token_logprobs(PROMPT)
+    assert win.stats().fresh_patches_formed == 1
+    win.evict(ids[1])
+    win.next_token_logprobs(PROMPT)
+    win.recall(ids[1])
+    sp = win.plan().slots[-1]
+    assert sp.source is Source.PATCH and sp.patch is not None and sp.patch.kind == "fresh"
+
+
+def test_reorder_reuses_conditioning_within_the_envelope(engine) -> None:
+    win, ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    win.reorder([ids[1], ids[0], ids[2], ids[3]])
+    plan = win.plan()
+    assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.FORWARD, Source.KEEP, Source.KEEP]
+    assert "reordered" in plan.slots[2].reason and "reordered" in plan.slots[3].reason
+    assert plan.forward_tokens() == len(win.chunk(ids[0]))  # only the chunk that gained new material
+
+
+def test_reorder_auto_minimises_forward_tokens(engine) -> None:
+    win, ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    win.reorder([ids[3], ids[2], ids[1], ids[0]])
+    assert win.plan().forward_tokens() > 0
+    order = win.reorder("auto")
+    assert sorted(order) == sorted(ids)
+    assert win.plan().forward_tokens() == 0
+
+
+def test_orbit_patch_serves_a_reordered_set(engine) -> None:
+    cfg = WindowConfig(reorder_patch="orbit", rank=8)
+    win = ContextWindow(engine, config=cfg)
+    ids = [win.add(random_ids(10, seed=200 + i)) for i in range(4)]
+    win.next_token_logprobs(PROMPT)
+    win.reorder([ids[1], ids[0], ids[2], ids[3]])
+    st = win.stats()
+    assert st.orbit_patches_formed == 3
+    last = win.chunk(ids[3])
+    orbit = [p for p in last.patches if p.kind == "orbit"]
+    assert orbit and orbit[0].orderings == 6  # all 3! orderings of its three predecessors
+    assert win.plan().slots[3].source is Source.PATCH
+
+
+def test_fork_is_copy_on_write_and_isolated(engine) -> None:
+    win, ids = _filled(engine)
+    lp_parent = win.next_token_logprobs(PROMPT)
+    ptrs = [s.kv.keys.data_ptr() for s in win._slots]
+    child = win.fork()
+    assert child._table is win._table
+    assert [s.kv.keys.data_ptr() for s in child._slots] == ptrs  # nothing copied at fork time
+    child.slide(2)
+    child.add(random_ids(9, seed=77))
+    child.reorder(list(reversed(child.chunks)))
+    child.next_token_logprobs(PROMPT)
+    assert win.chunks == ids
+    assert [s.kv.keys.data_ptr() for s in win._slots] == ptrs
+    assert torch.equal(win.next_token_logprobs(PROMPT), lp_parent)
+
+
+def test_graph_marks_dependents_and_counts_the_cascade(engine) -> None:
+    win, ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    assert set(win.graph.dependents(ids[0])) == set(ids[1:])
+    win.evict(ids[1])
+    win.next_token_logprobs(PROMPT)
+    win.recall(ids[1], at=1)
+    plan = win.plan()
+    # c and d are back behind exactly the antecedent their first patches were formed on: reuse them
+    assert [sp.source for sp in plan.slots[2:]] == [Source.PATCH, Source.PATCH]
+    assert all("identical" in sp.reason for sp in plan.slots[2:])
+    win.next_token_logprobs(PROMPT)
+    st = win.stats()
+    assert st.cascade_marked >= 2 and st.cascade_rematerialised == 2
+
+
+def test_budget_tokens_slides_the_oldest_out(engine) -> None:
+    win = ContextWindow(engine, budget_tokens=30)
+    a = win.add(random_ids(12, 1))
+    b = win.add(random_ids(12, 2))
+    c = win.add(random_ids(12, 3))
+    assert win.chunks == [b, c] and win.evicted == [a]
+
+
+def test_is_disposable_costs_one_decode(engine) -> None:
+    win, ids = _filled(engine)
+    res = win.is_disposable(ids[2], PROMPT, max_new_tokens=4)
+    assert res.mode == "conditioning" and isinstance(res.disposable, bool)
+    assert res.disposable == (res.answer_with == res.answer_without)
+    before = win.stats()
+    win.is_disposable(ids[2], PROMPT, mode="chunk", max_new_tokens=4)
+    after = win.stats()
+    assert after.forwards - before.forwards == 2  # two decodes (with / without)
+    assert after.tokens_prefilled == before.tokens_prefilled  # no chunk prefilled again
+
+
+def test_generate_stream_matches_non_stream(engine) -> None:
+    win, _ = _filled(engine, n=2)
+    whole = win.generate(PROMPT, max_new_tokens=6) if engine.tokenizer else None
+    assert whole is None  # tiny engine has no tokenizer: generate() needs text decoding
+    with pytest.raises(InvalidInputError):
+        win.generate(PROMPT, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda w, ids: w.evict("nope"),
+        lambda w, ids: w.recall(ids[0]),
+        lambda w, ids: w.recall("nope"),
+        lambda w, ids: w.reorder(ids[:2]),
+        lambda w, ids: w.reorder([*ids[:3], "x"]),
+        lambda w, ids: w.reorder("random"),
+        lambda w, ids: w.slide(9),
+        lambda w, ids: w.slide(-1),
+        lambda w, ids: w.add([]),
+        lambda w, ids: w.add([10**6]),
+        lambda w, ids: w.add_text(""),
+        lambda w, ids: w.next_token_logprobs([]),
+        lambda w, ids: w.is_disposable(ids[0], PROMPT, mode="whatever"),
+    ],
+)
+def test_invalid_operations_raise_and_leave_the_window_unchanged(engine, op) -> None:
+    win, ids = _filled(engine)
+    lp = win.next_token_logprobs(PROMPT)
+    with pytest.raises((InvalidInputError, WindowOperationError, ChunkNotFoundError)):
+        op(win, ids)
+    assert win.chunks == ids and win.evicted == []
+    assert torch.equal(win.next_token_logprobs(PROMPT), lp)
+
+
+def test_unknown_policy_and_empty_window_errors(engine) -> None:
+    with pytest.raises(InvalidInputError, match="unknown policy"):
+        ContextWindow(engine, policy="magic")
+    with pytest.raises(WindowOperationError, match="empty"):
+        ContextWindow(engine).next_token_logprobs(PROMPT)
