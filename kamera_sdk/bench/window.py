@@ -1,0 +1,157 @@
+"""``kamera bench window``: a scripted agent trace, every policy side by side.
+
+A web-research agent keeps a window of four pages (200-400 tokens each) over a growing stream of pages:
+every step the oldest page slides out and a new one arrives; every 4th step the agent looks back and
+recalls an evicted page instead; every 5th step it reranks the window. After each step it asks a
+question. Per policy: time to first token (planning + assembling the window + the prompt's prefill;
+compiling a new page's canonical at arrival is reported separately as ingest), tokens prefilled, next-
+token KL to ``recompute`` and whether the greedy 16-token answer equals ``recompute``'s.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kamera_engine import Engine
+
+from ..console import err, track
+from ..window import ContextWindow
+from .corpus import Page, Question, load_corpus
+from .metrics import kl, mean
+
+POLICIES = ("recompute", "prefix", "blind", "kamera")
+
+
+@dataclass
+class Step:
+    """One step of the trace: what happens to the window, then the question asked."""
+
+    index: int
+    ops: list[tuple[str, Any]] = field(
+        default_factory=list
+    )  # ("add", page) | ("slide", n) | ("recall", page) | ("reorder", seed)
+    question: str = ""
+
+    def describe(self) -> str:
+        parts = []
+        for op, arg in self.ops:
+            parts.append(f"{op} {arg.id}" if isinstance(arg, Page) else f"{op} {arg}")
+        return ", ".join(parts)
+
+
+def build_trace(steps: int = 24, window: int = 4, seed: int = 0) -> list[Step]:
+    """The scripted trace over the corpus pages (deterministic)."""
+    corpus = load_corpus()
+    pages = list(corpus.pages)
+    questions = corpus.trace_questions
+    rng = random.Random(seed)
+    trace: list[Step] = []
+    incoming = iter(pages)
+    live: list[Page] = []
+    gone: list[Page] = []
+    first = Step(0)
+    for _ in range(window):
+        page = next(incoming)
+        first.ops.append(("add", page))
+        live.append(page)
+    first.question = _question_for(live, questions, rng)
+    trace.append(first)
+    for i in range(1, steps):
+        step = Step(i)
+        step.ops.append(("slide", 1))
+        gone.append(live.pop(0))
+        if i % 4 == 0 and gone[:-1]:
+            back = gone.pop(rng.randrange(len(gone) - 1))  # look back at an older page
+            step.ops.append(("recall", back))
+            live.append(back)
+        else:
+            page = next(incoming)
+            step.ops.append(("add", page))
+            live.append(page)
+        if i % 5 == 0:
+            step.ops.append(("reorder", i))
+            rng_i = random.Random(i)
+            rng_i.shuffle(live)
+        step.question = _question_for(live, questions, rng)
+        trace.append(step)
+    return trace
+
+
+def _question_for(live: list[Page], questions: list[Question], rng: random.Random) -> str:
+    ids = {p.id for p in live}
+    scored = sorted(questions, key=lambda q: -len(ids & set(q.pages)))
+    best = [q for q in scored if len(ids & set(q.pages)) == len(ids & set(scored[0].pages))]
+    return rng.choice(best).question
+
+
+def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> float:
+    """Apply the step's operations to ``win``; returns the ingest time (canonical compiles at arrival)."""
+    ingest = 0.0
+    for op, arg in step.ops:
+        if op == "add":
+            t0 = time.perf_counter()
+            ids[arg.id] = win.add_text(arg.text + "\n\n")
+            ingest += time.perf_counter() - t0
+        elif op == "slide":
+            win.slide(arg)
+        elif op == "recall":
+            win.recall(ids[arg.id])
+        elif op == "reorder":
+            order = list(win.chunks)
+            random.Random(arg).shuffle(order)
+            win.reorder(order)
+    return ingest
+
+
+def run_trace(
+    engine: Engine, trace: list[Step], policies: tuple[str, ...] = POLICIES, answer_tokens: int = 16
+) -> dict[str, Any]:
+    wins = {p: ContextWindow(engine, policy=p) for p in policies}
+    ids: dict[str, dict[str, str]] = {p: {} for p in policies}
+    rows: dict[str, dict[str, list]] = {p: {"ttft": [], "kl": [], "match": [], "ingest": []} for p in policies}
+    for step in track(trace, "window trace"):
+        lps: dict[str, torch.Tensor] = {}
+        answers: dict[str, str] = {}
+        for p, win in wins.items():
+            rows[p]["ingest"].append(apply_step(win, step, ids[p]))
+            t0 = time.perf_counter()
+            lps[p] = win.next_token_logprobs(step.question)
+            rows[p]["ttft"].append(time.perf_counter() - t0)
+            answers[p] = win.generate(step.question, max_new_tokens=answer_tokens)
+        for p in policies:
+            rows[p]["kl"].append(kl(lps["recompute"], lps[p]))
+            rows[p]["match"].append(answers[p].strip() == answers["recompute"].strip())
+    result: dict[str, Any] = {}
+    for p, win in wins.items():
+        st = win.stats()
+        result[p] = {
+            "ttft_s_mean": mean(rows[p]["ttft"]),
+            "prefill_tokens": st.tokens_prefilled,
+            "kl_mean": mean(rows[p]["kl"]),
+            "answers_match_recompute": mean([float(m) for m in rows[p]["match"]]),
+            "ingest_s_mean": mean(rows[p]["ingest"]),
+            "ingest_tokens": st.ingest_tokens,
+            "step_s_mean": mean([a + b for a, b in zip(rows[p]["ttft"], rows[p]["ingest"], strict=True)]),
+            "forwards": st.forwards,
+            "patches_formed": st.patches_formed,
+            "patches_reused": st.patches_reused,
+            "survivors_rotated": st.survivors_rotated,
+            "kl_max": max(rows[p]["kl"]),
+        }
+    if "prefix" in result and "kamera" in result:
+        result["kamera_ttft_over_prefix"] = result["kamera"]["ttft_s_mean"] / result["prefix"]["ttft_s_mean"]
+    return result
+
+
+def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+    steps = 8 if quick else 24
+    trace = build_trace(steps=steps)
+    err.print(f"[bold]window[/] trace on {engine.name}: {steps} steps, window of 4 pages")
+    result = run_trace(engine, trace)
+    result["trace"] = {"steps": steps, "window_chunks": 4, "ops": [s.describe() for s in trace]}
+    return result
