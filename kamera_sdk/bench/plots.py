@@ -1,0 +1,100 @@
+"""Plots for the docs, drawn from benchmark JSON (``python -m kamera_sdk.bench.plots operator.json docs/img``).
+
+matplotlib is an optional extra (``kamera[plots]``); it is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kamera_engine import InvalidInputError
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise InvalidInputError("plots need matplotlib: pip install 'kamera[plots]'") from exc
+    return plt
+
+
+def operator_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """eta vs rank, and re-prefill / reuse time and speedup vs chunk length."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    ranks = sorted(int(r) for r in result["eta"])
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.plot(ranks, [result["eta"][str(r)] for r in ranks], "o-", label="eta (gap closed)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks, [str(r) for r in ranks])
+    ax.set_xlabel("patch rank m")
+    ax.set_ylabel("eta = 1 - KL(patch) / KL(blind)")
+    ax.set_title(f"{result['model']}: {result['probes']} multi-hop probes")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "eta_vs_rank.png")
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+
+    lengths = sorted(int(n) for n in result["speed_by_length"])
+    rows = [result["speed_by_length"][str(n)] for n in lengths]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.plot(lengths, [r["reprefill_s"] * 1e3 for r in rows], "o-", label="re-prefill in context")
+    ax.plot(lengths, [r["reuse_s"] * 1e3 for r in rows], "s-", label="relocate + rank-32 patch")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("chunk length (tokens)")
+    ax.set_ylabel("time to have the chunk's KV (ms)")
+    for n, r in zip(lengths, rows, strict=True):
+        ax.annotate(f"{r['speedup']:.0f}x", (n, r["reuse_s"] * 1e3), textcoords="offset points", xytext=(0, -14))
+    ax.set_title(f"{result['model']} on {result['device']}")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    paths.append(out_dir / "speedup_vs_length.png")
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+    return paths
+
+
+def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Mean TTFT and mean KL per policy on the window trace."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [p for p in ("recompute", "prefix", "blind", "kamera") if p in result]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
+    a1.bar(names, [result[p]["ttft_s_mean"] for p in names], color=["#888", "#aaa", "#c96", "#369"][: len(names)])
+    a1.set_ylabel("mean TTFT (s)")
+    a2.bar(names, [result[p]["kl_mean"] for p in names], color=["#888", "#aaa", "#c96", "#369"][: len(names)])
+    a2.set_ylabel("mean next-token KL to recompute")
+    fig.suptitle(f"window trace: {result['trace']['steps']} steps, 4 pages")
+    fig.tight_layout()
+    path = out_dir / "window_trace.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return [path]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 2:
+        print("usage: python -m kamera_sdk.bench.plots RESULT.json OUT_DIR", file=sys.stderr)
+        return 2
+    result = json.loads(Path(args[0]).read_text())
+    out = Path(args[1])
+    paths = operator_plots(result, out) if "eta" in result else window_plot(result, out)
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

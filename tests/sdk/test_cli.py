@@ -1,0 +1,29 @@
+"""The ``kamera`` command line: doctor reports in JSON, bad input gets a clear error and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kamera_sdk.cli import build_parser, main
+
+
+@pytest.mark.slow
+def test_doctor_json_reports_the_default_model(capsys) -> None:
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_loads"] is True
+    assert report["default_model"]["num_layers"] == 30
+    assert report["torch"].startswith("2.")
+
+
+def test_unknown_bench_is_a_clear_error(capsys) -> None:
+    assert main(["bench", "nope", "--model", "/nonexistent"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_help_explains_every_subcommand() -> None:
+    text = build_parser().format_help()
+    for sub in ("demo", "bench", "doctor"):
+        assert sub in text
