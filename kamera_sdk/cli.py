@@ -88,6 +88,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(_engine(args), quick=args.quick, as_json=args.json)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.cli import serve
+
+    return serve(_engine(args), host=args.host, port=args.port, api_key=args.api_key, store=args.store)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kamera",
@@ -109,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser("doctor", parents=[common], help="versions, device, attention backend, default model")
     doctor.set_defaults(func=cmd_doctor)
+    serve = sub.add_parser("serve", parents=[common], help="run one engine behind an HTTP API (sessions = windows)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
+    serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
+    serve.set_defaults(func=cmd_serve)
     return p
 
 

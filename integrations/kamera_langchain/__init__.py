@@ -1,0 +1,1 @@
+"""LangChain integration for Kamera (placeholder until implemented)."""

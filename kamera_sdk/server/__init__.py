@@ -1,0 +1,1 @@
+"""Engine server (placeholder until implemented)."""

@@ -1,0 +1,34 @@
+"""The window on the real default model: single-chunk agreement for every policy, and fidelity on a
+short stretch of the benchmark trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from kamera_engine import Engine
+from kamera_sdk import POLICIES, ContextWindow
+from kamera_sdk.bench.corpus import load_corpus
+from kamera_sdk.bench.window import build_trace, run_trace
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_answers_like_recompute_on_one_chunk(default_engine: Engine, policy: str) -> None:
+    single = load_corpus().single
+    answers = {}
+    for p in (policy, "recompute"):
+        win = ContextWindow(default_engine, policy=p)
+        win.add_text(single.text)
+        answers[p] = win.generate(single.question, max_new_tokens=16)
+    assert answers[policy] == answers["recompute"]
+    assert answers["recompute"].strip()
+
+
+def test_kamera_beats_blind_on_a_short_trace(default_engine: Engine) -> None:
+    trace = build_trace(steps=5)
+    result = run_trace(default_engine, trace, policies=("recompute", "blind", "kamera"), answer_tokens=8)
+    assert result["recompute"]["kl_mean"] == 0.0
+    assert result["kamera"]["kl_mean"] < result["blind"]["kl_mean"]
+    assert result["kamera"]["kl_mean"] <= 0.02, result["kamera"]
+    assert result["kamera"]["prefill_tokens"] < result["recompute"]["prefill_tokens"] / 2
