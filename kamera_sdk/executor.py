@@ -10,7 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from kamera_engine import KV, Engine
+from kamera_engine.selective import recompute_tokens
 
 from .chunks import Chunk, ChunkTable, StoredPatch
 from .config import WindowConfig
@@ -78,6 +81,8 @@ class Executor:
             new_slots.append(self._after(sp, kv, keep_slot_kv, graph, step, formed=False, free=free))
             i += 1
         assembled = KV.cat(parts)
+        if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
+            assembled, placed = self._selective(plan, assembled)
         self.stats.window_kv_bytes = assembled.nbytes
         self.stats.window_tokens = len(assembled)
         return Execution(assembled, placed, new_slots)
@@ -104,7 +109,29 @@ class Executor:
             return e.apply(free, None, sp.start), free
         if sp.source is Source.BLIND:
             st.blind_served += 1
-        return e.apply(canonical, None, sp.start), canonical  # LEAD or BLIND
+        return e.apply(canonical, None, sp.start), canonical  # LEAD, BLIND, or SELECTIVE before its repair
+
+    def _selective(self, plan: Plan, assembled: KV) -> tuple[KV, list[KV]]:
+        """Recompute the SELECTIVE slots' chosen tokens in context (CacheBlend / MPIC)."""
+        assert plan.recompute is not None
+        ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
+        cand = [sp.start + i for sp in plan.slots if sp.source is Source.SELECTIVE for i in sp.recompute_tokens]
+        t0 = time.perf_counter()
+        res = recompute_tokens(
+            self.engine,
+            assembled,
+            ids,
+            torch.tensor(cand, dtype=torch.long),
+            ratio=plan.recompute.ratio,
+            check_layer=plan.recompute.check_layer,
+        )
+        self.stats.time("selective", time.perf_counter() - t0)
+        if len(res.selected):
+            self.stats.forwards += 1
+        self.stats.selective_tokens += len(res.selected)
+        self.stats.tokens_prefilled += len(res.selected)
+        placed = [res.kv.slice(sp.start, sp.start + len(sp.chunk)) for sp in plan.slots]
+        return res.kv, placed
 
     def _forward_run(self, run: list[SlotPlan], parts: list[KV]) -> list[KV]:
         """One forward over a run of slots on top of everything assembled so far."""

@@ -48,6 +48,19 @@ class SlotPlan:
         return range(self.start, self.start + len(self.chunk))
 
 
+@dataclass(frozen=True, slots=True)
+class RecomputeSpec:
+    """How SELECTIVE slots pick the tokens they recompute in context.
+
+    ``check_layer=None``: the slots' ``recompute_tokens`` at every layer (MPIC-k). Otherwise all their
+    tokens are candidates and the ``ratio`` with the largest key deviation at ``check_layer`` is kept
+    (CacheBlend).
+    """
+
+    ratio: float = 1.0
+    check_layer: int | None = None
+
+
 @dataclass(slots=True)
 class Plan:
     """The per-slot plan for one use of the window."""
@@ -55,6 +68,7 @@ class Plan:
     policy: str
     slots: list[SlotPlan]
     anchor_len: int
+    recompute: RecomputeSpec | None = None
 
     @property
     def end(self) -> int:

@@ -28,6 +28,8 @@ class ModelAdapter:
     rope_style: ClassVar[str] = "half"
     #: Keys are normalised (q/k-norm) before RoPE; relocation is unaffected but worth knowing.
     keys_normalised: ClassVar[bool] = False
+    #: Keyword a decoder layer takes its cache under (used when layers are driven one by one).
+    layer_cache_kwarg: ClassVar[str] = "past_key_values"
 
     def __init__(self, config: Any, name: str | None = None) -> None:
         self.config = config
@@ -41,6 +43,10 @@ class ModelAdapter:
 
     def rotary_module(self, model: nn.Module) -> nn.Module:
         return self.decoder(model).rotary_emb
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder layers, in order (for layer-by-layer forwards such as selective recompute)."""
+        return self.decoder(model).layers
 
     # --- checks -------------------------------------------------------------------------------
     def validate(self, config: Any) -> None:
@@ -128,3 +134,8 @@ def reference_rotate(
     cos, sin = rot(keys, positions[None].to(keys.device))
     _, k = _modeling_module(model).apply_rotary_pos_emb(keys, keys, cos, sin)
     return k
+
+
+def layer_cache_kwargs(adapter: ModelAdapter, cache: Any) -> dict[str, Any]:
+    """Keyword under which a decoder layer takes the cache (families differ)."""
+    return {adapter.layer_cache_kwarg: cache}

@@ -1,0 +1,144 @@
+"""Selective recompute: rerun chosen tokens of an assembled window in context (CacheBlend, MPIC).
+
+The token-axis baselines start from the same relocated canonical KV as Kamera and recompute a subset of
+tokens *in context*: each selected token runs through the layers attending to the whole window, and its
+fresh K/V overwrite the cached ones. Two selections:
+
+* fixed positions (MPIC-k: the first k tokens of every reused span), recomputed at every layer;
+* KV deviation (CacheBlend): all candidate tokens run the layers before ``check_layer`` (their fresh K/V
+  used for attention there but not stored), the ``ratio`` of candidates whose fresh key at
+  ``check_layer`` deviates most from the cached key is kept, and only those continue; their K/V overwrite
+  the cache from ``check_layer`` on.
+
+The layers are driven one by one with a cache object that scatters the selected rows into the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .adapters.base import layer_cache_kwargs
+from .errors import InvalidInputError
+from .kv import KV
+
+
+class ScatterCache:
+    """Per-layer window K/V (1, H, N, D); ``update`` writes the running tokens' rows at ``index``.
+
+    Layers below ``persist_from`` substitute the fresh rows into a temporary copy (used for attention,
+    not kept), layers from ``persist_from`` on write them into the window.
+    """
+
+    def __init__(self, kv: KV, index: torch.Tensor, persist_from: int) -> None:
+        # (L, N, H, D) -> per layer (1, H, N, D)
+        self.keys = [kv.keys[layer].transpose(0, 1).unsqueeze(0).clone() for layer in range(kv.num_layers)]
+        self.values = [kv.values[layer].transpose(0, 1).unsqueeze(0).clone() for layer in range(kv.num_layers)]
+        self.index = index
+        self.persist_from = persist_from
+        self.captured: dict[int, torch.Tensor] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):
+        self.captured[layer_idx] = key
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if layer_idx < self.persist_from:
+            keys, values = keys.clone(), values.clone()
+        keys[:, :, self.index] = key.to(keys.dtype)
+        values[:, :, self.index] = value.to(values.dtype)
+        return keys, values
+
+    def to_kv(self, positions: torch.Tensor) -> KV:
+        keys = torch.cat(self.keys).transpose(1, 2).contiguous()  # (L, H, N, D) -> (L, N, H, D)
+        values = torch.cat(self.values).transpose(1, 2).contiguous()
+        return KV(keys, values, positions)
+
+
+@dataclass(slots=True)
+class RecomputeResult:
+    kv: KV  # the window with the selected tokens' K/V recomputed in context
+    selected: torch.Tensor  # absolute positions that were recomputed (at ``check_layer`` and deeper)
+
+
+def _mask(query_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive causal mask (1, 1, q, N): a query attends to every key at or before its position."""
+    keys = torch.arange(n_keys)
+    allowed = keys[None, :] <= query_pos[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@torch.inference_mode()
+def recompute_tokens(
+    engine: object,
+    window: KV,
+    token_ids: Sequence[int],
+    candidates: torch.Tensor,
+    *,
+    ratio: float = 1.0,
+    check_layer: int | None = None,
+) -> RecomputeResult:
+    """Recompute ``candidates`` (absolute positions) of ``window`` in context.
+
+    window: placed KV of the whole window at positions 0..N-1 (anchor included); token_ids: the N
+    token ids; ``check_layer=None`` recomputes every candidate at every layer; otherwise CacheBlend's
+    selection of ``ratio`` of them by key deviation at ``check_layer``.
+    """
+    model = engine.model  # type: ignore[attr-defined]
+    adapter = engine.adapter  # type: ignore[attr-defined]
+    n = len(window)
+    if window.positions is None or not torch.equal(window.positions, torch.arange(n)):
+        raise InvalidInputError("selective recompute wants a window placed at positions 0..N-1")
+    if len(token_ids) != n:
+        raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
+    if not 0.0 <= ratio <= 1.0:
+        raise InvalidInputError(f"recompute ratio must be in [0, 1], got {ratio}")
+    cand = torch.as_tensor(candidates, dtype=torch.long).sort().values
+    layers = adapter.layers(model)
+    if check_layer is not None and not 0 <= check_layer < len(layers):
+        raise InvalidInputError(f"check_layer must be in [0, {len(layers)}), got {check_layer}")
+    if cand.numel() == 0 or (check_layer is not None and round(ratio * cand.numel()) == 0):
+        return RecomputeResult(window, cand[:0])
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    hidden = model.get_input_embeddings()(ids[cand].to(device))[None]  # (1, n, hidden)
+    cache = ScatterCache(window.to(device), cand.to(device), persist_from=0 if check_layer is None else check_layer)
+    rotary = adapter.rotary_module(model)
+    pos = cand
+    first = 0
+    if check_layer is not None:
+        for layer in range(check_layer):
+            hidden = _run(layers[layer], hidden, pos, n, cache, rotary, adapter, device)
+        # probe the check layer with every candidate (not stored) to measure key deviation
+        cache.persist_from = check_layer + 1
+        _run(layers[check_layer], hidden, pos, n, cache, rotary, adapter, device)
+        fresh = cache.captured[check_layer][0]  # (H, n, D)
+        cached = window.keys[check_layer][cand].transpose(0, 1).to(fresh.device)  # (n, H, D) -> (H, n, D)
+        deviation = (fresh.float() - cached.float()).norm(dim=(0, 2))  # (n,)
+        keep = max(1, round(ratio * cand.numel()))
+        top = torch.topk(deviation, keep).indices.sort().values.cpu()
+        pos = cand[top]
+        hidden = hidden[:, top.to(device)]
+        cache.index = pos.to(device)
+        cache.persist_from = check_layer
+        first = check_layer
+    for layer in range(first, len(layers)):
+        hidden = _run(layers[layer], hidden, pos, n, cache, rotary, adapter, device)
+    return RecomputeResult(cache.to_kv(torch.arange(n)), pos)
+
+
+def _run(layer, hidden, pos, n_keys, cache, rotary, adapter, device):  # type: ignore[no-untyped-def]
+    position_ids = pos[None].to(device)
+    pe = rotary(hidden, position_ids)
+    mask = _mask(pos, n_keys, hidden.dtype).to(device)
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_ids=position_ids,
+        position_embeddings=pe,
+        use_cache=True,
+        **layer_cache_kwargs(adapter, cache),
+    )
+    return out[0] if isinstance(out, tuple) else out
