@@ -6,7 +6,7 @@ It continues from a transformers cache built over an assembled window, with expl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +56,13 @@ def decode_tokens(
     first_logits: torch.Tensor,
     next_position: int,
     params: SamplingParams,
+    after_step: Callable[[object, int], None] | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids, feeding each back at its explicit position."""
+    """Yield generated token ids, feeding each back at its explicit position.
+
+    ``after_step(cache, generated)`` runs after each token is added to the cache (compression policies
+    evict there).
+    """
     params.validate()
     device = next(model.parameters()).device
     generator = None
@@ -78,6 +83,8 @@ def decode_tokens(
         )
         logits = out.logits[0, -1].float()
         pos += 1
+        if after_step is not None:
+            after_step(cache, pos - next_position)
 
 
 def stream_text(tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> Iterator[str]:

@@ -18,6 +18,9 @@ from kamera_engine import KV, ChunkNotFoundError, Patch
 
 ChunkId = NewType("ChunkId", str)
 
+#: Chunk kinds that count as vision tokens (for modality-aware policies such as DAVID).
+VISION_KINDS = frozenset({"image", "video", "screenshot"})
+
 #: An antecedent: the ordered ids of the chunks in front of a chunk when its conditioning was formed.
 Antecedent = tuple[ChunkId, ...]
 

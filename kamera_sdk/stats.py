@@ -50,6 +50,8 @@ class WindowStats(BaseModel):
     cascade_rematerialised: int = 0
     store_loads: int = 0
     store_load_failures: int = 0
+    compression_stats_tokens: int = Field(0, description="tokens run only to gather attention statistics")
+    kv_bytes_fraction: float = Field(1.0, description="KV bytes kept by the last compression, of the full cache")
     canonical_bytes: int = 0
     patch_bytes: int = 0
     window_kv_bytes: int = 0

@@ -25,8 +25,11 @@ from kamera_engine import (
     SamplingParams,
     WindowOperationError,
 )
+from kamera_engine.decode import stream_text
 
-from .chunks import Chunk, ChunkId, ChunkTable, StoredPatch, content_id
+from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, StoredPatch, content_id
+from .compress import CompressionPolicy, make_compressor
+from .compress.runner import Compressed, decode_compressed, prefill_compressed
 from .config import WindowConfig
 from .executor import Execution, Executor
 from .graph import DependencyGraph
@@ -64,6 +67,8 @@ class ContextWindow:
         store: object | None = None,
         *,
         config: WindowConfig | None = None,
+        compress: str | CompressionPolicy | None = None,
+        kv_budget: float | None = None,
     ) -> None:
         if config is None:
             config = WindowConfig(rank=rank, budget_tokens=budget_tokens)
@@ -72,6 +77,9 @@ class ContextWindow:
         self.engine = engine
         self.config = config
         self.policy = make_policy(policy)
+        self.compressor = None if compress is None else make_compressor(compress, kv_budget)
+        if compress is None and kv_budget is not None:
+            raise InvalidInputError("kv_budget needs compress= ('elastic' or 'david')")
         self.store = store
         self._table = ChunkTable()
         self._slots: list[Slot] = []
@@ -237,6 +245,7 @@ class ContextWindow:
         child.engine = self.engine
         child.config = self.config
         child.policy = self.policy.fork()
+        child.compressor = self.compressor
         child.store = self.store
         child._table = self._table
         child._slots = list(self._slots)  # Slot objects are immutable; tensors shared
@@ -313,9 +322,33 @@ class ContextWindow:
         plan, past = self._materialise()
         ids = self._prompt_ids(prompt)
         t0 = time.perf_counter()
-        pieces = self.engine.generate(past, ids, plan.end, params)
+        if self.compressor is not None:
+            tokens = decode_compressed(self.engine, self.compress_window(ids), self.compressor, params)
+            if self.engine.tokenizer is None:
+                raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
+            pieces = stream_text(tokens, self.engine.tokenizer, params)
+        else:
+            pieces = self.engine.generate(past, ids, plan.end, params)
         self._count_prompt(ids, t0)
         return pieces if stream else "".join(pieces)
+
+    def compress_window(self, prompt: str | Sequence[int]) -> Compressed:
+        """Prefill the prompt over the window and compress the cache with the window's compression
+        policy (the assembled window itself is left intact). Returns the compressed cache for decoding."""
+        if self.compressor is None:
+            raise WindowOperationError("this window has no compression policy (pass compress=...)")
+        plan, past = self._materialise()
+        ids = self._prompt_ids(prompt)
+        window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
+        vision = torch.tensor(
+            [False] * plan.anchor_len + [sp.chunk.kind in VISION_KINDS for sp in plan.slots for _ in sp.chunk.token_ids]
+        )
+        t0 = time.perf_counter()
+        c = prefill_compressed(self.engine, past, window_ids, ids, self.compressor, vision)
+        self._stats.compression_stats_tokens += c.stats_tokens
+        self._stats.kv_bytes_fraction = c.kv_bytes_fraction
+        self._stats.time("compress", time.perf_counter() - t0)
+        return c
 
     def is_disposable(
         self, chunk_id: ChunkId, prompt: str | Sequence[int], *, mode: str = "conditioning", max_new_tokens: int = 16

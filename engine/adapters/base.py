@@ -139,3 +139,26 @@ def reference_rotate(
 def layer_cache_kwargs(adapter: ModelAdapter, cache: Any) -> dict[str, Any]:
     """Keyword under which a decoder layer takes the cache (families differ)."""
     return {adapter.layer_cache_kwarg: cache}
+
+
+@contextmanager
+def capture_queries(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record each attention layer's rotated queries (B, Hq, T, D), in layer order, for the duration.
+
+    Compression policies read attention statistics from them beside the attention backend (so flash
+    attention can still run the forward itself).
+    """
+    module = _modeling_module(model)
+    original = module.apply_rotary_pos_emb
+    captured: list[torch.Tensor] = []
+
+    def recording(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *a: Any, **kw: Any):
+        q_out, k_out = original(q, k, cos, sin, *a, **kw)
+        captured.append(q_out.detach())
+        return q_out, k_out
+
+    module.apply_rotary_pos_emb = recording
+    try:
+        yield captured
+    finally:
+        module.apply_rotary_pos_emb = original

@@ -1,0 +1,90 @@
+"""The compression-policy contract: shrink an assembled window's KV under a budget, for decoding.
+
+Compression runs after relocation, on the assembled window plus the prompt, never on a stored canonical
+(merged or evicted keys would no longer be position-free). A policy is one dataclass with one method to
+override (``compress``); it declares the attention statistics it needs (``needs``), and may edit the
+cache after each decode step (``after_step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kamera_engine import KV, InvalidInputError
+
+
+@dataclass(slots=True)
+class CompressionInput:
+    """What a compression policy sees at prefill.
+
+    ``kv``: the full cache (window + prompt) at positions 0..T-1, (L, T, H, D). ``scores``: per layer,
+    per KV head, attention mass each key received from the queries the policy asked for, (L, H, T).
+    ``vision``: (T,) bool, tokens of image/video chunks. ``protected``: (T,) bool, tokens that must stay
+    (the observation window / the most recent tokens). ``n_queries``: how many queries the scores sum.
+    """
+
+    kv: KV
+    scores: torch.Tensor
+    vision: torch.Tensor
+    protected: torch.Tensor
+    n_queries: int
+    prompt_len: int
+
+
+@dataclass
+class CompressionPolicy:
+    """Base class. ``budget``: fraction of the cache's tokens kept (0 < budget <= 1)."""
+
+    name: ClassVar[str] = "base"
+    #: "all": attention of every query (a stats pass over the window); "observation": the last queries only
+    needs: ClassVar[str] = "observation"
+    budget: float = 0.2
+    observation: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= 1:
+            raise InvalidInputError(f"kv_budget must be in (0, 1], got {self.budget}")
+
+    def kept(self, n_tokens: int) -> int:
+        """Tokens kept out of ``n_tokens`` under the budget."""
+        return max(1, round(self.budget * n_tokens))
+
+    def compress(self, inp: CompressionInput) -> KV:
+        raise NotImplementedError
+
+    def after_step(self, compressed_len: int, full_len: int) -> Callable[[object, int], None] | None:
+        """A hook run after each decode step (cache, tokens generated so far); None for no eviction."""
+        return None
+
+
+COMPRESSORS: dict[str, type[CompressionPolicy]] = {}
+
+
+def register_compressor(cls: type[CompressionPolicy]) -> type[CompressionPolicy]:
+    COMPRESSORS[cls.name] = cls
+    return cls
+
+
+def make_compressor(name: str | CompressionPolicy, budget: float | None) -> CompressionPolicy:
+    if isinstance(name, CompressionPolicy):
+        return name
+    cls = COMPRESSORS.get(name)
+    if cls is None:
+        raise InvalidInputError(f"unknown compression policy {name!r}; choose one of {sorted(COMPRESSORS)}")
+    if budget is None:
+        raise InvalidInputError(f"compress={name!r} needs kv_budget (fraction of tokens kept, e.g. 0.2)")
+    return cls(budget=budget)
+
+
+def gather_tokens(kv: KV, index: torch.Tensor) -> KV:
+    """Keep, per layer and KV head, the tokens in ``index`` (L, H, K) (sorted), as (L, K, H, D)."""
+    n_layers, _, n_heads, dk = kv.keys.shape
+    dv = kv.values.shape[-1]
+    idx = index.transpose(1, 2)  # (L, K, H)
+    keys = torch.gather(kv.keys, 1, idx[..., None].expand(n_layers, idx.shape[1], n_heads, dk))
+    values = torch.gather(kv.values, 1, idx[..., None].expand(n_layers, idx.shape[1], n_heads, dv))
+    return KV(keys, values, None)
