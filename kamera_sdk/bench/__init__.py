@@ -10,6 +10,7 @@ from typing import Any
 BENCHES: dict[str, str] = {
     "operator": "kamera_sdk.bench.operator",
     "window": "kamera_sdk.bench.window",
+    "compare": "kamera_sdk.bench.compare",
 }
 
 
