@@ -69,16 +69,16 @@ class Executor:
                 while j < len(plan.slots) and plan.slots[j].source is Source.FORWARD:
                     j += 1
                 run = plan.slots[i:j]
-                for sp_k, kv in zip(run, self._forward_run(run, parts), strict=True):
+                for k, kv in enumerate(self._forward_run(run, parts)):
                     parts.append(kv)
                     placed.append(kv)
-                    new_slots.append(self._after(sp_k, kv, keep_slot_kv, graph, step, formed=True))
+                    new_slots.append(self._after(run[k], slots[i + k], kv, keep_slot_kv, graph, step, formed=True))
                 i = j
                 continue
             kv, free = self._serve(sp, slots[i])
             parts.append(kv)
             placed.append(kv)
-            new_slots.append(self._after(sp, kv, keep_slot_kv, graph, step, formed=False, free=free))
+            new_slots.append(self._after(sp, slots[i], kv, keep_slot_kv, graph, step, formed=False, free=free))
             i += 1
         assembled = KV.cat(parts)
         if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
@@ -151,6 +151,7 @@ class Executor:
     def _after(
         self,
         sp: SlotPlan,
+        slot: Slot,
         kv: KV,
         keep_slot_kv: bool,
         graph: DependencyGraph,
@@ -180,5 +181,17 @@ class Executor:
             self.stats.time("patch_form", time.perf_counter() - t0)
         if sp.source is not Source.KEEP:
             self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
-        graph.set_conditioning(sp.chunk.id, sp.antecedent, sp.source.value)
-        return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value)
+        absorbed = self._absorbed(sp, slot)
+        graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
+        return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed)
+
+    @staticmethod
+    def _absorbed(sp: SlotPlan, slot: Slot) -> frozenset:
+        """Chunks whose content the slot's KV now carries (what a recall of them would invalidate)."""
+        if sp.source in (Source.KEEP, Source.SURVIVOR):
+            return slot.absorbed | frozenset(sp.antecedent)
+        if sp.source is Source.PATCH and sp.patch is not None:
+            return frozenset(sp.patch.antecedent)
+        if sp.source in (Source.LEAD, Source.BLIND):
+            return frozenset()
+        return frozenset(sp.antecedent)

@@ -15,13 +15,16 @@ class Slot:
 
     ``kv`` is the chunk's conditioned KV in the position-free frame (keys at angle 0), so every later
     placement is one rotation from angle 0, never a chain. ``antecedent`` is what that KV is conditioned
-    on. Slots are immutable: an operation builds new slots, so forks can share the old ones.
+    on now; ``absorbed`` is every chunk whose content that KV has taken in (a survivor keeps the
+    conditioning of chunks that slid out). Slots are immutable: an operation builds new slots, so forks
+    can share the old ones.
     """
 
     chunk_id: ChunkId
     kv: KV | None = None
     antecedent: Antecedent | None = None
     source: str = ""
+    absorbed: frozenset[ChunkId] = frozenset()
 
     def materialised(self) -> bool:
         return self.kv is not None and self.antecedent is not None

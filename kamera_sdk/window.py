@@ -180,7 +180,6 @@ class ContextWindow:
         t0 = time.perf_counter()
         self._slots.pop(idx)
         self._evicted.append(chunk_id)
-        self._mark_dependents(chunk_id)
         self._changed("evict", t0)
 
     def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
@@ -198,8 +197,7 @@ class ContextWindow:
         t0 = time.perf_counter()
         self._evicted.remove(chunk_id)
         self._slots.insert(pos, Slot(chunk_id))
-        for later in self._slots[pos + 1 :]:
-            self._mark_dependents_of_slot(later.chunk_id)
+        self._mark_dependents(chunk_id)
         self._changed("recall", t0)
         self._enforce_budget()
 
@@ -476,13 +474,10 @@ class ContextWindow:
             self._stats.time(op, time.perf_counter() - t0)
 
     def _mark_dependents(self, chunk_id: ChunkId) -> None:
-        deps = [d for d in self._graph.dependents(chunk_id) if d in self]
+        """A recalled chunk invalidates every chunk in the window whose KV absorbed it (the cascade)."""
+        deps = [d for d in self._graph.dependents(chunk_id) if d in self and d != chunk_id]
         self._graph.mark_stale(deps)
         self._stats.cascade_marked += len(deps)
-
-    def _mark_dependents_of_slot(self, chunk_id: ChunkId) -> None:
-        self._graph.mark_stale([chunk_id])
-        self._stats.cascade_marked += 1
 
     def _enforce_budget(self) -> None:
         budget = self.config.budget_tokens

@@ -53,7 +53,7 @@ class KameraPolicy(ReusePolicy):
             formed = slot.antecedent or ()
             if formed == ante and not stale:
                 return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
-            if _dropped_front(formed, ante):
+            if _dropped_front(formed, ante) and not stale:
                 return SlotPlan(
                     chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
                 )
@@ -62,7 +62,7 @@ class KameraPolicy(ReusePolicy):
         env = view.config.envelope
         if patch is not None and (patch.antecedent == ante or (reorder == "orbit" and patch.kind == "orbit")):
             return self._patch_plan(view, chunk, start, ante, patch)
-        if slot.materialised() and reorder == "transfer":
+        if slot.materialised() and reorder == "transfer" and not stale:
             verdict = judge(slot.antecedent or (), ante, env)
             if verdict.reuse:
                 return SlotPlan(
@@ -72,6 +72,8 @@ class KameraPolicy(ReusePolicy):
             return self._patch_plan(view, chunk, start, ante, patch)
         if recalled:
             why = "recall: fresh patch on its earlier context" if chunk.patches else "new chunk"
+        elif stale:
+            why = "cascade: a chunk it absorbed was recalled"
         else:
             why = "antecedent outside the envelope"
         kind = "fresh" if recalled and chunk.patches else "exact"
