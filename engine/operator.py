@@ -124,15 +124,17 @@ def conditioning_delta(conditioned: KV | Sequence[KV], canonical: KV, spec: Rope
 def _top_factors(delta: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``rank`` SVD factors of each layer's (T, F) matrix: ``U_m S_m`` (Lp, T, m) and ``V_m^T`` (Lp, m, F).
 
-    Computed from the (F, F) Gram matrix in float64 (F = heads x head dim is small): its eigenvectors are
-    the right singular vectors, and ``U S = Delta V``. Much faster than a (T, F) SVD for long chunks, and
-    exact at full rank.
+    The right singular vectors are the top eigenvectors of the (F, F) Gram matrix (F = heads x head dim is
+    small), and ``U S = Delta V``: much cheaper than a (T, F) SVD for long chunks. The Gram matrix is
+    formed in float64 and diagonalised in float32 below full rank (the leading directions are well
+    separated); at full rank everything stays float64, so a full-rank patch is exact.
     """
     mat = delta.to(torch.float64)  # (Lp, T, F)
-    gram = mat.transpose(1, 2) @ mat  # (Lp, F, F)
-    _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     m = min(rank, mat.shape[1], mat.shape[2])
-    v = vecs[..., -m:].flip(-1)  # (Lp, F, m), largest first
+    gram = mat.transpose(1, 2) @ mat  # (Lp, F, F)
+    full = m >= min(mat.shape[1], mat.shape[2])
+    _, vecs = torch.linalg.eigh(gram if full else gram.to(torch.float32))  # ascending eigenvalues
+    v = vecs[..., -m:].flip(-1).to(torch.float64)  # (Lp, F, m), largest first
     us = mat @ v  # (Lp, T, m)
     return us.to(dtype).contiguous(), v.transpose(1, 2).to(dtype).contiguous()
 

@@ -19,7 +19,7 @@ from .chunks import Chunk, ChunkTable, StoredPatch
 from .config import WindowConfig
 from .graph import DependencyGraph
 from .plan import Plan, SlotPlan, Source
-from .slots import Slot
+from .slots import PendingPatch, Slot
 from .stats import Decision, WindowStats
 
 
@@ -160,30 +160,40 @@ class Executor:
         formed: bool,
         free: KV | None = None,
     ) -> Slot:
-        """Record the slot's new state; form and store a patch when the plan asks for one."""
+        """Record the slot's new state. A forward that should yield a patch leaves it *pending* on the
+        slot (the slot holds the conditioned KV it is formed from); the window forms it off the answer's
+        critical path, when the slot leaves the window or its conditioning is needed elsewhere."""
         if formed and keep_slot_kv:
             free = self.engine.make_free(kv)
+        pending = None
         if formed and sp.form_patch:
-            t0 = time.perf_counter()
-            canonical = self.canonical(sp.chunk)
-            layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
-            patch = self.engine.form_patch(
-                free if free is not None else kv,
-                canonical,
-                self.config.rank,
-                layers=layers,
-                dtype=self.config.torch_patch_dtype(),
-            )
-            self.table.add_patch(sp.chunk, StoredPatch(patch, sp.antecedent, kind=sp.patch_kind))
-            self.stats.patches_formed += 1
-            self.stats.fresh_patches_formed += sp.patch_kind == "fresh"
-            self.stats.patch_bytes += patch.nbytes
-            self.stats.time("patch_form", time.perf_counter() - t0)
+            pending = PendingPatch(sp.antecedent, sp.patch_kind)
+            if free is None:  # nothing to form it from later: form it now
+                self.form_pending(sp.chunk, kv, pending)
+                pending = None
+        elif sp.source in (Source.KEEP, Source.SURVIVOR):
+            pending = slot.pending
         if sp.source is not Source.KEEP:
             self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
         absorbed = self._absorbed(sp, slot)
         graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
-        return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed)
+        return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed, pending)
+
+    def form_pending(self, chunk: Chunk, conditioned: KV, pending: PendingPatch) -> StoredPatch:
+        """Form and store the patch of ``chunk`` from its conditioned KV (placed or position-free)."""
+        t0 = time.perf_counter()
+        canonical = self.canonical(chunk)
+        layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
+        patch = self.engine.form_patch(
+            conditioned, canonical, self.config.rank, layers=layers, dtype=self.config.torch_patch_dtype()
+        )
+        stored = StoredPatch(patch, pending.antecedent, kind=pending.kind)
+        self.table.add_patch(chunk, stored)
+        self.stats.patches_formed += 1
+        self.stats.fresh_patches_formed += pending.kind == "fresh"
+        self.stats.patch_bytes += patch.nbytes
+        self.stats.time("patch_form", time.perf_counter() - t0)
+        return stored
 
     @staticmethod
     def _absorbed(sp: SlotPlan, slot: Slot) -> frozenset:

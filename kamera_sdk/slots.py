@@ -10,6 +10,14 @@ from .chunks import Antecedent, ChunkId
 
 
 @dataclass(frozen=True, slots=True)
+class PendingPatch:
+    """A patch still to be formed from the slot's conditioned KV, and the antecedent it belongs to."""
+
+    antecedent: Antecedent
+    kind: str = "exact"
+
+
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A chunk in the window and its materialised KV.
 
@@ -25,6 +33,7 @@ class Slot:
     antecedent: Antecedent | None = None
     source: str = ""
     absorbed: frozenset[ChunkId] = frozenset()
+    pending: PendingPatch | None = None
 
     def materialised(self) -> bool:
         return self.kv is not None and self.antecedent is not None

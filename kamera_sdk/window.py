@@ -12,6 +12,7 @@ import itertools
 import random
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Literal, overload
 
 import torch
@@ -178,6 +179,7 @@ class ContextWindow:
         """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled."""
         idx = self._index(chunk_id)
         t0 = time.perf_counter()
+        self._flush([self._slots[idx]])
         self._slots.pop(idx)
         self._evicted.append(chunk_id)
         self._changed("evict", t0)
@@ -207,6 +209,7 @@ class ContextWindow:
             raise WindowOperationError(f"cannot slide {n!r} chunks out of a window of {len(self._slots)}")
         t0 = time.perf_counter()
         gone = [s.chunk_id for s in self._slots[:n]]
+        self._flush(self._slots[:n])
         del self._slots[:n]
         self._evicted.extend(gone)
         self._changed("slide", t0)
@@ -260,7 +263,9 @@ class ContextWindow:
 
     # --- using the window ----------------------------------------------------------------------
     def plan(self) -> Plan:
-        """The plan the next use would execute (nothing is run)."""
+        """The plan the next use would execute (no forward pass is run; pending patches that the plan
+        needs are formed)."""
+        self._flush_stale()
         return self.policy.plan(self._view())
 
     def assemble(self) -> KV:
@@ -441,6 +446,25 @@ class ContextWindow:
             if not any(p.kind == "orbit" and p.antecedent_set == preds for p in chunk.patches):
                 self.form_orbit_patch(cid)
 
+    def flush(self) -> int:
+        """Form every pending patch now (normally formed when a chunk leaves the window or is needed).
+        Returns how many were formed."""
+        return self._flush(self._slots)
+
+    def _flush(self, slots: list[Slot]) -> int:
+        formed = 0
+        for i, slot in enumerate(self._slots):
+            if slot.pending is None or slot.kv is None or not any(slot is s for s in slots):
+                continue
+            self._executor.form_pending(self._table.get(slot.chunk_id), slot.kv, slot.pending)
+            self._slots[i] = replace(slot, pending=None)
+            formed += 1
+        return formed
+
+    def _flush_stale(self) -> None:
+        """Stale slots (a chunk they absorbed was recalled) may be served from their own pending patch."""
+        self._flush([s for s in self._slots if self._graph.is_stale(s.chunk_id)])
+
     def _view(self) -> WindowView:
         return WindowView(self.engine, self.config, self._table, self._slots, self._graph, self._step)
 
@@ -490,6 +514,7 @@ class ContextWindow:
         if self._cache is not None and self._cache[0] == self._version:
             return self._cache[1], self._cache[2]
         t0 = time.perf_counter()
+        self._flush_stale()
         plan = self.policy.plan(self._view())
         stale_before = {s.chunk_id for s in self._slots if self._graph.is_stale(s.chunk_id)}
         execution: Execution = self._executor.run(plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step)

@@ -81,7 +81,10 @@ def test_new_chunk_forwards_once_and_forms_a_patch(engine) -> None:
     win.next_token_logprobs(PROMPT)
     st = win.stats()
     assert st.tokens_prefilled - tokens == 10
-    assert len(win.chunk(new).patches) == 1
+    # the patch is pending on the slot (formed off the critical path) until the chunk leaves or a flush
+    assert win.chunk(new).patches == [] and win._slots[-1].pending is not None
+    assert win.flush() == 2 and len(win.chunk(new).patches) == 1  # the second original chunk too
+    assert win.flush() == 0
 
 
 def test_recall_gets_a_fresh_patch_and_reuses_it_in_the_same_context(engine) -> None:
@@ -93,8 +96,8 @@ def test_recall_gets_a_fresh_patch_and_reuses_it_in_the_same_context(engine) -> 
     sp = win.plan().slots[-1]
     assert sp.source is Source.FORWARD and "fresh" in sp.reason
     win.next_token_logprobs(PROMPT)
+    win.evict(ids[1])  # leaving the window forms its pending fresh patch
     assert win.stats().fresh_patches_formed == 1
-    win.evict(ids[1])
     win.next_token_logprobs(PROMPT)
     win.recall(ids[1])
     sp = win.plan().slots[-1]
