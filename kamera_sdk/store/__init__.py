@@ -1,0 +1,42 @@
+"""Kamera's chunk store: canonicals, patches and vision embeddings, position-free, keyed by content and model.
+
+Tiers: a byte-budgeted host-RAM tier (LRU or LFU, pins) in front of an optional persistent backend, a
+directory of safetensors files with an SQLite index (``DiskBackend``) or a shared Redis
+(``RedisBackend``). Writes are atomic and checksummed; reads verify checksum and model fingerprint, and a
+refused entry is a counted miss. See docs/storage.md.
+
+    from kamera_sdk.store import open_store, EntryKey, StoreEntry
+    store = open_store("/var/lib/kamera")          # or None, or "redis://host:6379/0"
+    store.put(StoreEntry(EntryKey(fp, "canonical", chunk_hash), {"k": k, "v": v}))
+    entry = store.get(EntryKey(fp, "canonical", chunk_hash))
+"""
+
+from ._backend import Backend
+from ._chunk_store import DEFAULT_MEMORY_BYTES, ChunkStore, StoreStats
+from ._disk import DiskBackend
+from ._entry import EntryKey, EntryKind, StoreEntry
+from ._eviction import EVICTION_POLICIES, LFU, LRU, EvictionPolicy, register_eviction
+from ._memory import MemoryTier
+from ._open import StoreSpec, default_store_path, open_store
+from ._redis import RedisBackend
+
+__all__ = [
+    "DEFAULT_MEMORY_BYTES",
+    "EVICTION_POLICIES",
+    "LFU",
+    "LRU",
+    "Backend",
+    "ChunkStore",
+    "DiskBackend",
+    "EntryKey",
+    "EntryKind",
+    "EvictionPolicy",
+    "MemoryTier",
+    "RedisBackend",
+    "StoreEntry",
+    "StoreSpec",
+    "StoreStats",
+    "default_store_path",
+    "open_store",
+    "register_eviction",
+]

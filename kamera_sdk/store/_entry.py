@@ -1,0 +1,266 @@
+"""Entries: what the store keeps, how a key names it, and the one serialized form (safetensors bytes).
+
+An entry is a set of named CPU tensors (a chunk's canonical K/V, a patch's factors, a vision embedding)
+plus string metadata. Its serialized form is a safetensors file whose header metadata holds a single
+``"kamera"`` key (sorted JSON: format, fingerprint, kind, content hash, variant, meta). One key keeps the
+bytes deterministic (safetensors writes a multi-key metadata map in hash order), so two processes writing
+the same entry produce the same bytes and the same checksum. Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError
+
+#: Version of the serialized form; a reader refuses any other.
+FORMAT_VERSION = "1"
+#: The one safetensors metadata key Kamera writes.
+META_KEY = "kamera"
+#: Longest fingerprint / content hash accepted (hex characters).
+MAX_HEX_LEN = 128
+#: Longest variant string accepted (characters).
+MAX_VARIANT_LEN = 1024
+#: Largest safetensors header a reader accepts (bytes); the format's own limit is 100 MB.
+MAX_HEADER_BYTES = 16 << 20
+
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+class EntryKind(str, Enum):
+    """What an entry holds."""
+
+    CANONICAL = "canonical"  # KV(B|0) of one chunk at the reference position
+    PATCH = "patch"  # low-rank conditioning factors of one chunk given an antecedent
+    VISION = "vision"  # a vision encoder's output for one image / video segment
+
+
+def _check_hex(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_HEX_LEN or not _HEX.fullmatch(value):
+        raise InvalidInputError(
+            f"{name} must be a non-empty lowercase hex string of at most {MAX_HEX_LEN} characters, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EntryKey:
+    """Names one entry: model fingerprint, kind, content hash and a free-form variant.
+
+    ``variant`` tells apart entries of the same content (a patch's antecedent signature and rank, say).
+    It may be any string, so storage names are derived from ``digest`` (sha256 of the whole key), never
+    from the fields themselves.
+    """
+
+    fingerprint: str
+    kind: EntryKind
+    content_hash: str
+    variant: str = ""
+
+    def __post_init__(self) -> None:
+        _check_hex("fingerprint", self.fingerprint)
+        _check_hex("content_hash", self.content_hash)
+        try:
+            kind = EntryKind(self.kind)
+        except ValueError as exc:
+            allowed = ", ".join(k.value for k in EntryKind)
+            raise InvalidInputError(f"kind must be one of {allowed}, got {self.kind!r}") from exc
+        object.__setattr__(self, "kind", kind)
+        if not isinstance(self.variant, str) or len(self.variant) > MAX_VARIANT_LEN:
+            raise InvalidInputError(f"variant must be a string of at most {MAX_VARIANT_LEN} characters")
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of the whole key: the only name storage ever uses for this entry."""
+        blob = json.dumps([self.fingerprint, self.kind.value, self.content_hash, self.variant])
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def to_meta(self) -> dict[str, str]:
+        return {
+            "fingerprint": self.fingerprint,
+            "kind": self.kind.value,
+            "content_hash": self.content_hash,
+            "variant": self.variant,
+        }
+
+
+def _check_tensors(tensors: object) -> dict[str, torch.Tensor]:
+    if not isinstance(tensors, dict) or not tensors:
+        raise InvalidInputError("tensors must be a non-empty dict of name -> torch.Tensor")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise InvalidInputError(f"tensor names must be non-empty strings (not '__metadata__'), got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type != "cpu":
+            raise InvalidInputError(f"tensor {name!r} is on {t.device}; the store keeps CPU tensors (call .cpu())")
+        if t.is_sparse or t.layout != torch.strided:
+            raise InvalidInputError(f"tensor {name!r} is not dense (layout {t.layout})")
+    return tensors
+
+
+def _check_meta(meta: object) -> dict[str, str]:
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise InvalidInputError("meta must be a dict of str -> str")
+    return meta
+
+
+@dataclass(eq=False)
+class StoreEntry:
+    """One stored entry: named CPU tensors and string metadata under a key.
+
+    ``nbytes`` is the tensors' data size (what the entry costs in RAM); ``checksum`` is the sha256 of the
+    serialized safetensors bytes (computed on first use and cached; treat tensors as immutable).
+    ``stored_nbytes`` is the size of those bytes once the entry went to or came from a backend.
+    """
+
+    key: EntryKey
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    last_used: float = 0.0
+    uses: int = 0
+    nbytes: int = field(init=False)
+    stored_nbytes: int = field(default=0, compare=False)
+    _checksum: str | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, EntryKey):
+            raise InvalidInputError(f"key must be an EntryKey, got {type(self.key).__name__}")
+        _check_tensors(self.tensors)
+        _check_meta(self.meta)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        if not self.last_used:
+            self.last_used = self.created_at
+
+    @property
+    def checksum(self) -> str:
+        """sha256 hex of ``encode()``."""
+        if self._checksum is None:
+            self.encode()
+        assert self._checksum is not None
+        return self._checksum
+
+    def encode(self) -> bytes:
+        """The serialized form: safetensors bytes with the key and meta in the header (deterministic)."""
+        blob = encode(self.key, self.tensors, self.meta)
+        self._checksum = hashlib.sha256(blob).hexdigest()
+        self.stored_nbytes = len(blob)
+        return blob
+
+    def summary(self) -> dict[str, list[Any]]:
+        """name -> [dtype, shape] of every tensor (for indexes and listings)."""
+        return {name: [str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in self.tensors.items()}
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with no two sharing storage (safetensors refuses shared storage)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out[name] = t
+    return out
+
+
+def encode(key: EntryKey, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    """Serialize tensors under ``key`` (see module docstring for the header layout)."""
+    header = {"format": FORMAT_VERSION, **key.to_meta(), "meta": meta}
+    try:
+        return st_save(_unshare(tensors), {META_KEY: json.dumps(header, sort_keys=True)})
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise StoreError(f"cannot serialize entry {key.digest[:12]}: {exc}") from exc
+
+
+def read_header(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
+    """Parse a safetensors header with bounds checks: (header dict, total data bytes it describes)."""
+    if len(blob) < 8:
+        raise ChecksumError("entry is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(blob[:8]))
+    if n > MAX_HEADER_BYTES or 8 + n > len(blob):
+        raise ChecksumError(f"entry header length {n} is out of bounds")
+    try:
+        header = json.loads(bytes(blob[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ChecksumError("entry header is not valid JSON") from exc
+    if not isinstance(header, dict):
+        raise ChecksumError("entry header is not a JSON object")
+    data = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            data = max(data, int(info["data_offsets"][1]))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ChecksumError(f"tensor {name!r} has no valid data_offsets") from exc
+    return header, data
+
+
+def header_summary(header: dict[str, Any]) -> tuple[dict[str, list[Any]], int]:
+    """(name -> [dtype, shape], tensor data bytes) from a parsed safetensors header."""
+    summary: dict[str, list[Any]] = {}
+    nbytes = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        summary[name] = [str(info["dtype"]), list(info["shape"])]
+        nbytes += int(end) - int(begin)
+    return summary, nbytes
+
+
+def decode(blob: bytes, key: EntryKey, checksum: str | None) -> StoreEntry:
+    """Verify and deserialize ``blob`` as the entry for ``key``.
+
+    Raises ChecksumError when the bytes differ from ``checksum`` (or do not parse),
+    FingerprintMismatchError when the header names another model, StoreError when it names another key
+    or format. Only safetensors parses the tensors; nothing is unpickled.
+    """
+    if checksum is not None and hashlib.sha256(blob).hexdigest() != checksum:
+        raise ChecksumError(f"entry {key.digest[:12]}: bytes do not match the recorded checksum")
+    header, _ = read_header(blob)
+    raw = header.get("__metadata__", {}).get(META_KEY) if isinstance(header.get("__metadata__"), dict) else None
+    try:
+        info = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        info = None
+    if not isinstance(info, dict):
+        raise StoreError(f"entry {key.digest[:12]} carries no Kamera metadata")
+    if info.get("format") != FORMAT_VERSION:
+        raise StoreError(f"entry {key.digest[:12]} has format {info.get('format')!r}, expected {FORMAT_VERSION}")
+    if info.get("fingerprint") != key.fingerprint:
+        raise FingerprintMismatchError(
+            f"entry {key.digest[:12]} was written by model {str(info.get('fingerprint'))[:16]}, "
+            f"not {key.fingerprint[:16]}"
+        )
+    for name, want in key.to_meta().items():
+        if info.get(name) != want:
+            raise StoreError(f"entry {key.digest[:12]} holds another key ({name} differs)")
+    try:
+        tensors = st_load(bytes(blob))
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise ChecksumError(f"entry {key.digest[:12]} does not deserialize: {exc}") from exc
+    meta = info.get("meta", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise StoreError(f"entry {key.digest[:12]} has malformed meta")
+    entry = StoreEntry(key=key, tensors=tensors, meta=meta)
+    entry._checksum = checksum or hashlib.sha256(blob).hexdigest()
+    entry.stored_nbytes = len(blob)
+    return entry
