@@ -10,7 +10,6 @@ are immutable once written, so sharing needs no copies.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -95,13 +94,6 @@ class ChunkTable:
     def put(self, chunk: Chunk) -> Chunk:
         """Insert ``chunk`` unless an entry with its id exists; return the entry in the table."""
         return self._chunks.setdefault(chunk.id, chunk)
-
-    def ensure_canonical(self, chunk: Chunk, compute: Callable[[Chunk], KV]) -> tuple[KV, bool]:
-        """The chunk's canonical, computing it once; returns (kv, computed_now)."""
-        if chunk.canonical is None:
-            chunk.canonical = compute(chunk)
-            return chunk.canonical, True
-        return chunk.canonical, False
 
     def add_patch(self, chunk: Chunk, stored: StoredPatch) -> None:
         """Record a patch; a newer patch for the same ordered antecedent and kind replaces the older."""

@@ -18,6 +18,7 @@ from kamera_engine.selective import recompute_tokens
 from .chunks import Chunk, ChunkTable, StoredPatch
 from .config import WindowConfig
 from .graph import DependencyGraph
+from .persistence import Persistence
 from .plan import Plan, SlotPlan, Source
 from .slots import PendingPatch, Slot
 from .stats import Decision, WindowStats
@@ -35,18 +36,32 @@ class Execution:
 class Executor:
     """Carries out plans for one window (shares the engine, the table and the stats)."""
 
-    def __init__(self, engine: Engine, table: ChunkTable, config: WindowConfig, stats: WindowStats) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        table: ChunkTable,
+        config: WindowConfig,
+        stats: WindowStats,
+        persistence: Persistence | None = None,
+    ) -> None:
         self.engine = engine
         self.table = table
         self.config = config
         self.stats = stats
+        self.persistence = persistence
 
-    def canonical(self, chunk: Chunk):
-        kv, computed = self.table.ensure_canonical(chunk, self._compile)
-        if computed:
-            self.stats.canonicals_computed += 1
-            self.stats.canonical_bytes += kv.nbytes
-        return kv
+    def canonical(self, chunk: Chunk) -> KV:
+        """The chunk's canonical: from the table, else from the store, else one forward (then stored)."""
+        if chunk.canonical is None:
+            kv = self.persistence.load_canonical(chunk) if self.persistence is not None else None
+            if kv is None:
+                kv = self._compile(chunk)
+                self.stats.canonicals_computed += 1
+                self.stats.canonical_bytes += kv.nbytes
+                if self.persistence is not None:
+                    self.persistence.save_canonical(chunk, kv)
+            chunk.canonical = kv
+        return chunk.canonical
 
     def _compile(self, chunk: Chunk) -> KV:
         t0 = time.perf_counter()
@@ -58,6 +73,8 @@ class Executor:
 
     def run(self, plan: Plan, slots: list[Slot], keep_slot_kv: bool, graph: DependencyGraph, step: int) -> Execution:
         e = self.engine
+        if self.persistence is not None:  # loads overlap with the forwards below
+            self.persistence.prefetch([sp.chunk for sp in plan.slots if sp.source not in (Source.FORWARD, Source.KEEP)])
         parts: list[KV] = [e.anchor_kv]
         placed: list[KV] = []
         new_slots: list[Slot] = []
@@ -189,6 +206,8 @@ class Executor:
         )
         stored = StoredPatch(patch, pending.antecedent, kind=pending.kind)
         self.table.add_patch(chunk, stored)
+        if self.persistence is not None:
+            self.persistence.save_patch(chunk, stored)
         self.stats.patches_formed += 1
         self.stats.fresh_patches_formed += pending.kind == "fresh"
         self.stats.patch_bytes += patch.nbytes

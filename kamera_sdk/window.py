@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal, overload
 
 import torch
@@ -34,11 +35,13 @@ from .compress.runner import Compressed, decode_compressed, prefill_compressed
 from .config import WindowConfig
 from .executor import Execution, Executor
 from .graph import DependencyGraph
+from .persistence import Persistence
 from .placement import best_order
 from .plan import Plan, Source
 from .policies import ReusePolicy, WindowView, make_policy
 from .slots import Slot
 from .stats import Decision, WindowStats
+from .store import ChunkStore, default_store_path, open_store
 
 
 class DisposabilityResult(BaseModel):
@@ -56,7 +59,8 @@ class ContextWindow:
 
     ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind`` (and any registered policy).
     ``rank``: patch rank m. ``budget_tokens``: slide the oldest chunks out when the window exceeds it.
-    ``store``: where canonicals and patches persist (None: this process only).
+    ``store``: where canonicals and patches persist: None (this process only), a directory path,
+    ``"default"`` (``$KAMERA_HOME/store``), a ``redis://`` URL, or an open ``ChunkStore`` to share.
     """
 
     def __init__(
@@ -65,7 +69,7 @@ class ContextWindow:
         policy: str | ReusePolicy = "kamera",
         rank: int = 32,
         budget_tokens: int | None = None,
-        store: object | None = None,
+        store: str | Path | ChunkStore | None = None,
         *,
         config: WindowConfig | None = None,
         compress: str | CompressionPolicy | None = None,
@@ -81,7 +85,9 @@ class ContextWindow:
         self.compressor = None if compress is None else make_compressor(compress, kv_budget)
         if compress is None and kv_budget is not None:
             raise InvalidInputError("kv_budget needs compress= ('elastic' or 'david')")
-        self.store = store
+        self.store: ChunkStore | None = None
+        if store is not None:
+            self.store = open_store(default_store_path() if store == "default" else store)
         self._table = ChunkTable()
         self._slots: list[Slot] = []
         self._evicted: list[ChunkId] = []
@@ -91,7 +97,22 @@ class ContextWindow:
         self._version = 0
         self._cache: tuple[int, Plan, KV] | None = None
         self._last_execution: Execution | None = None
-        self._executor = Executor(engine, self._table, config, self._stats)
+        self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
+        self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Form pending patches and flush the store's write-behind queue (the store stays open for
+        other windows sharing it)."""
+        self.flush()
+        if self.store is not None:
+            self.store.flush()
+
+    def __enter__(self) -> ContextWindow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- inspection ----------------------------------------------------------------------------
     @property
@@ -125,8 +146,12 @@ class ContextWindow:
         return self._table.get(chunk_id)
 
     def stats(self) -> WindowStats:
-        """A snapshot of what this window has done."""
-        return self._stats.model_copy(deep=True)
+        """A snapshot of what this window has done (store counters included when there is a store)."""
+        snap = self._stats.model_copy(deep=True)
+        if self.store is not None:
+            st = self.store.stats()
+            snap.store_load_failures = st.refused_checksum + st.refused_fingerprint + st.load_errors
+        return snap
 
     # --- adding content ------------------------------------------------------------------------
     def add_text(self, text: str) -> ChunkId:
@@ -153,6 +178,8 @@ class ContextWindow:
         return self._add(Chunk(cid, kind, ids, text=text))
 
     def _add(self, chunk: Chunk) -> ChunkId:
+        if self._persistence is not None and chunk.id not in self._table:
+            chunk.patches = self._persistence.load_patches(chunk)
         entry = self._table.put(chunk)
         self._graph.add_chunk(entry.id)
         if self.policy.needs_canonical:
@@ -248,6 +275,7 @@ class ContextWindow:
         child.policy = self.policy.fork()
         child.compressor = self.compressor
         child.store = self.store
+        child._persistence = self._persistence
         child._table = self._table
         child._slots = list(self._slots)  # Slot objects are immutable; tensors shared
         child._evicted = list(self._evicted)
@@ -257,7 +285,7 @@ class ContextWindow:
         child._version = 0
         child._cache = None
         child._last_execution = None
-        child._executor = Executor(self.engine, self._table, self.config, child._stats)
+        child._executor = Executor(self.engine, self._table, self.config, child._stats, self._persistence)
         self._stats.time("fork", 0.0)
         return child
 
@@ -418,6 +446,8 @@ class ContextWindow:
         patch = self.engine.form_patch(conditioned, canonical, self.config.rank, dtype=self.config.torch_patch_dtype())
         stored = StoredPatch(patch, tuple(preds), kind="orbit", orderings=len(orderings))
         self._table.add_patch(chunk, stored)
+        if self._persistence is not None:
+            self._persistence.save_patch(chunk, stored)
         self._stats.orbit_patches_formed += 1
         self._stats.patch_bytes += patch.nbytes
         self._stats.time("orbit_patch", time.perf_counter() - t0)

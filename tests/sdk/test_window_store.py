@@ -1,0 +1,84 @@
+"""A window over a persistent store: a new process reuses canonicals and patches with zero forwards;
+corrupted or foreign entries are refused, counted and recomputed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from kamera_sdk import ContextWindow
+from kamera_sdk.store import DiskBackend
+from tests.conftest import random_ids, tiny_engine
+
+PROMPT = [9, 10, 11]
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {root!r})
+    from kamera_sdk import ContextWindow
+    from tests.conftest import random_ids, tiny_engine
+    engine = tiny_engine("llama", seed=21)
+    win = ContextWindow(engine, store={store!r})
+    for i in range(3):
+        win.add(random_ids(12, seed=900 + i))
+    lp = win.next_token_logprobs([9, 10, 11])
+    win.close()
+    st = win.stats()
+    print(json.dumps({{"forwards": st.forwards, "ingest": st.ingest_tokens, "computed": st.canonicals_computed,
+                      "loads": st.store_loads, "lp": lp[:8].tolist()}}))
+    """
+)
+
+
+def _run(store: Path) -> dict:
+    code = SCRIPT.format(root=str(ROOT), store=str(store))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_reuses_canonicals_with_zero_canonical_forwards(tmp_path: Path) -> None:
+    first = _run(tmp_path / "store")
+    assert first["computed"] == 3 and first["ingest"] == 36
+    second = _run(tmp_path / "store")
+    assert second["computed"] == 0 and second["ingest"] == 0  # no canonical forward at all
+    assert second["loads"] >= 3
+    # the patches formed by the first process serve the second: no conditioned forward either
+    assert second["forwards"] == 1  # only the prompt
+    assert max(abs(a - b) for a, b in zip(first["lp"], second["lp"], strict=True)) < 1e-3
+
+
+def test_a_corrupted_canonical_is_refused_counted_and_recomputed(tmp_path: Path) -> None:
+    engine = tiny_engine("llama", seed=22)
+    ids = random_ids(12, seed=901)
+    with ContextWindow(engine, policy="blind", store=tmp_path / "s") as win:
+        cid = win.add(ids)
+        ref = win.next_token_logprobs(PROMPT)
+    win.store.close()
+    backend = DiskBackend(tmp_path / "s")
+    files = [backend.path_for(k) for k in backend.keys()]
+    backend.close()
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-50] ^= 0xFF  # flip a byte inside the tensor data
+        f.write_bytes(bytes(data))
+    win2 = ContextWindow(engine, policy="blind", store=tmp_path / "s")
+    assert win2.add(ids) == cid
+    st = win2.stats()
+    assert st.canonicals_computed == 1 and st.store_load_failures >= 1
+    assert torch.allclose(win2.next_token_logprobs(PROMPT), ref, atol=1e-5)
+
+
+def test_another_models_entries_are_never_served(tmp_path: Path) -> None:
+    ids = random_ids(12, seed=902)
+    with ContextWindow(tiny_engine("llama", seed=23), policy="blind", store=tmp_path / "s") as win:
+        win.add(ids)
+    other = ContextWindow(tiny_engine("llama", seed=24), policy="blind", store=tmp_path / "s")
+    other.add(ids)
+    assert other.stats().canonicals_computed == 1  # a different fingerprint is a different key
