@@ -11,6 +11,7 @@ BENCHES: dict[str, str] = {
     "operator": "kamera_sdk.bench.operator",
     "window": "kamera_sdk.bench.window",
     "compare": "kamera_sdk.bench.compare",
+    "store": "kamera_sdk.bench.store",
 }
 
 
