@@ -70,11 +70,11 @@ def decode_tokens(
         generator = torch.Generator(device="cpu").manual_seed(params.seed)
     logits = first_logits
     pos = next_position
-    for _ in range(params.max_new_tokens):
+    for step in range(params.max_new_tokens):
         token = pick_token(logits.cpu(), params, generator)
         yield token
-        if token in params.eos_token_ids:
-            return
+        if token in params.eos_token_ids or step == params.max_new_tokens - 1:
+            return  # no forward for a token nobody will read
         out = model(
             input_ids=torch.tensor([[token]], device=device),
             position_ids=torch.tensor([[pos]], device=device),

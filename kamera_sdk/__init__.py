@@ -36,9 +36,20 @@ from .window import ContextWindow, DisposabilityResult
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``RemoteWindow`` / ``AsyncRemoteWindow`` load lazily, so importing the SDK does not need httpx."""
+    if name in ("RemoteWindow", "AsyncRemoteWindow"):
+        from .server import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kamera_sdk' has no attribute {name!r}")
+
+
 __all__ = [
     "KV",
     "POLICIES",
+    "AsyncRemoteWindow",
     "ChecksumError",
     "ChunkId",
     "ChunkNotFoundError",
@@ -55,6 +66,7 @@ __all__ = [
     "ModelLoadError",
     "Patch",
     "Plan",
+    "RemoteWindow",
     "ReusePolicy",
     "SamplingParams",
     "Source",

@@ -1,0 +1,452 @@
+"""The engine server: one engine behind an HTTP API where sessions are windows.
+
+``create_app(engine)`` returns a FastAPI app. Requests are handled concurrently on the event loop;
+all window and model work runs on one worker thread (``worker.py``), one job at a time, with decoding
+submitted per token so concurrent sessions interleave. Endpoints (JSON; errors as
+``{"error": {"type", "message"}}``, see ``errors.py``)::
+
+    GET    /healthz                         liveness (no API key needed)
+    POST   /v1/sessions                     new window -> {id, window}
+    GET    /v1/sessions/{id}                chunks, evicted, tokens
+    DELETE /v1/sessions/{id}
+    POST   /v1/sessions/{id}/chunks         add text, token ids or an image
+    POST   /v1/sessions/{id}/evict|recall|reorder|slide
+    POST   /v1/sessions/{id}/fork           copy-on-write branch -> a new session
+    POST   /v1/sessions/{id}/generate       JSON, or SSE with stream=true
+    POST   /v1/sessions/{id}/logprobs       next-token log-probs (full vector or top-k)
+    GET    /v1/sessions/{id}/stats          WindowStats
+    POST   /v1/chat/completions             OpenAI-compatible, streaming included
+    GET    /v1/models
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kamera_engine import Engine, InvalidInputError, KameraError
+
+from ..stats import WindowStats
+from ..store import default_store_path, open_store
+from ..window import ContextWindow
+from . import chat as chat_ops
+from . import ops
+from .errors import AuthenticationError, PayloadTooLargeError, error_body, status_for
+from .schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChunkAdd,
+    ChunkAdded,
+    ChunkChoice,
+    ChunkDelta,
+    ChunkRef,
+    GenerateRequest,
+    GenerateResult,
+    Health,
+    LogprobsRequest,
+    LogprobsResult,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    RecallRequest,
+    ReorderRequest,
+    SessionCreate,
+    SessionCreated,
+    SlideRequest,
+    SlideResult,
+    Usage,
+    WindowState,
+)
+from .sessions import Session, SessionRegistry, chat_key
+from .sse import encode_event
+from .worker import ModelWorker
+
+#: Paths served without an API key.
+OPEN_PATHS = frozenset({"/healthz"})
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServerState:
+    """What the app owns: the engine, the model worker, the sessions and the limits."""
+
+    def __init__(self, engine: Engine, limits: ops.Limits, store: object | None) -> None:
+        self.engine = engine
+        self.limits = limits
+        # one store for every session: a path or URL is opened once here and shared
+        self.store = open_store(default_store_path() if store == "default" else store) if store is not None else None
+        self.worker = ModelWorker()
+        self.sessions = SessionRegistry(limits.max_sessions, limits.session_ttl_s)
+
+    def new_window(self, options: SessionCreate) -> ContextWindow:
+        return ContextWindow(
+            self.engine,
+            policy=options.policy,
+            rank=options.rank,
+            budget_tokens=options.budget_tokens,
+            store=self.store,
+            compress=options.compress,
+            kv_budget=options.kv_budget,
+        )
+
+    async def shutdown(self) -> None:
+        """Finish the job in flight, then flush (and close the ones windows opened) every store in use."""
+        await asyncio.to_thread(self.worker.close)
+        stores: dict[int, object] = {}
+        for store in [self.store, *(getattr(w, "store", None) for w in self.sessions.windows())]:
+            if store is not None and not isinstance(store, str):
+                stores[id(store)] = store
+        for store in stores.values():
+            flush = getattr(store, "flush", None)
+            if callable(flush):
+                flush()
+            close = getattr(store, "close", None)
+            if store is not self.store and callable(close):
+                close()  # opened by a window from a path: the server owns it
+        self.sessions.clear()
+
+
+class GuardMiddleware:
+    """API key (Bearer) and body size, checked before routing so no handler sees a refused request.
+
+    The body is read up to the limit and replayed to the app, so chunked uploads are bounded too.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                exc = AuthenticationError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+                response = _error_response(exc, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        too_large = PayloadTooLargeError(f"request body over this server's limit of {self.max_body_bytes} bytes")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _error_response(too_large)(scope, receive, send)
+            return
+        body = bytearray()
+        messages: list[Message] = []
+        more = scope["method"] not in ("GET", "HEAD", "DELETE", "OPTIONS")
+        while more:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await _error_response(too_large)(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(type(exc).__name__, str(exc)), status_code=status_for(exc), headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        return 400, f"request body is not valid JSON: {detail.get('ctx', {}).get('error', detail.get('msg'))}"
+    parts = []
+    for e in errors[:8]:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    return 422, "invalid request: " + "; ".join(parts)
+
+
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    store: object | None = None,
+    max_body_bytes: int = 2 << 20,
+    max_image_bytes: int = 8 << 20,
+    max_sessions: int = 256,
+    max_new_tokens_limit: int = 1024,
+    max_session_tokens: int = 32768,
+    session_ttl_s: float | None = 3600.0,
+) -> FastAPI:
+    """An app serving ``engine``; every window shares ``store`` (an object, or a path each window opens).
+
+    ``api_key``: require ``Authorization: Bearer <api_key>`` on every path but ``/healthz``. Limits:
+    request body bytes (413), decoded image bytes (413), open sessions (429), ``max_new_tokens`` per
+    request (422), tokens per session window (413), idle seconds before a session expires.
+    """
+    limits = ops.Limits(
+        max_body_bytes=max_body_bytes,
+        max_image_bytes=max_image_bytes,
+        max_sessions=max_sessions,
+        max_new_tokens=max_new_tokens_limit,
+        max_session_tokens=max_session_tokens,
+        session_ttl_s=session_ttl_s,
+    )
+    state = ServerState(engine, limits, store)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await state.shutdown()
+
+    from kamera_sdk import __version__
+
+    app = FastAPI(title="Kamera engine server", version=__version__, lifespan=lifespan)
+    app.state.kamera = state
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    _install_error_handlers(app)
+
+    worker, sessions = state.worker, state.sessions
+
+    def check_max_new_tokens(n: int) -> None:
+        if n > limits.max_new_tokens:
+            raise InvalidInputError(f"max_new_tokens={n} is over this server's limit of {limits.max_new_tokens}")
+
+    # --- sessions -------------------------------------------------------------------------------
+    @app.get("/healthz", response_model=Health)
+    async def healthz() -> Health:
+        return Health(model=engine.name)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.name)])
+
+    @app.post("/v1/sessions", response_model=SessionCreated, status_code=201)
+    async def create_session(options: SessionCreate | None = None) -> SessionCreated:
+        options = options or SessionCreate()
+        sessions.reserve()
+        session = sessions.add(state.new_window(options))
+        return SessionCreated(id=session.id, window=ops.window_state(session.id, session.window))
+
+    @app.get("/v1/sessions/{session_id}", response_model=WindowState)
+    async def get_session(session_id: str) -> WindowState:
+        s = sessions.get(session_id)
+        return await worker.run(ops.window_state, s.id, s.window)
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    async def delete_session(session_id: str) -> Response:
+        sessions.delete(session_id)
+        return Response(status_code=204)
+
+    @app.get("/v1/sessions/{session_id}/stats", response_model=WindowStats)
+    async def stats(session_id: str) -> WindowStats:
+        s = sessions.get(session_id)
+        return await worker.run(s.window.stats)
+
+    # --- chunk operations ------------------------------------------------------------------------
+    @app.post("/v1/sessions/{session_id}/chunks", response_model=ChunkAdded, status_code=201)
+    async def add_chunk(session_id: str, req: ChunkAdd) -> ChunkAdded:
+        s = sessions.get(session_id)
+        cid, window = await worker.run(ops.add_chunk, s.id, s.window, req, limits)
+        return ChunkAdded(chunk=cid, window=window)
+
+    def _then_state(s: Session, fn: Any, *args: Any) -> WindowState:
+        fn(*args)
+        return ops.window_state(s.id, s.window)
+
+    @app.post("/v1/sessions/{session_id}/evict", response_model=WindowState)
+    async def evict(session_id: str, req: ChunkRef) -> WindowState:
+        s = sessions.get(session_id)
+        return await worker.run(_then_state, s, s.window.evict, req.chunk)
+
+    @app.post("/v1/sessions/{session_id}/recall", response_model=WindowState)
+    async def recall(session_id: str, req: RecallRequest) -> WindowState:
+        s = sessions.get(session_id)
+        return await worker.run(_then_state, s, s.window.recall, req.chunk, req.at)
+
+    @app.post("/v1/sessions/{session_id}/reorder", response_model=WindowState)
+    async def reorder(session_id: str, req: ReorderRequest) -> WindowState:
+        s = sessions.get(session_id)
+        return await worker.run(_then_state, s, s.window.reorder, req.order)
+
+    @app.post("/v1/sessions/{session_id}/slide", response_model=SlideResult)
+    async def slide(session_id: str, req: SlideRequest) -> SlideResult:
+        s = sessions.get(session_id)
+
+        def job() -> SlideResult:
+            removed = [str(c) for c in s.window.slide(req.n)]
+            return SlideResult(removed=removed, window=ops.window_state(s.id, s.window))
+
+        return await worker.run(job)
+
+    @app.post("/v1/sessions/{session_id}/fork", response_model=SessionCreated, status_code=201)
+    async def fork(session_id: str) -> SessionCreated:
+        s = sessions.get(session_id)
+        child_window = await worker.run(s.window.fork)
+        sessions.reserve()
+        child = sessions.add(child_window)
+        return SessionCreated(id=child.id, window=await worker.run(ops.window_state, child.id, child_window))
+
+    # --- using the window ------------------------------------------------------------------------
+    @app.post("/v1/sessions/{session_id}/logprobs", response_model=LogprobsResult)
+    async def logprobs(session_id: str, req: LogprobsRequest) -> LogprobsResult:
+        s = sessions.get(session_id)
+        return await worker.run(ops.logprobs, s.window, req.prompt, req.top_k)
+
+    @app.post(
+        "/v1/sessions/{session_id}/generate",
+        response_model=GenerateResult,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "SSE when stream=true"}},
+    )
+    async def generate(session_id: str, req: GenerateRequest) -> Any:
+        s = sessions.get(session_id)
+        check_max_new_tokens(req.max_new_tokens)
+        pieces, first = await worker.run(ops.start_generate, s.window, req)
+        if req.stream:
+            return StreamingResponse(
+                _sse_generate(worker, pieces, first), media_type="text/event-stream", headers=_SSE_HEADERS
+            )
+        text = [first] if first is not None else []
+        text += [p async for p in worker.iterate(pieces)]
+        return GenerateResult(text="".join(text))
+
+    # --- OpenAI-compatible -----------------------------------------------------------------------
+    @app.post("/v1/chat/completions", response_model=ChatCompletion)
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        params = chat_ops.sampling(req, limits)
+        window: ContextWindow | None = None
+        if req.session is not None:
+            window = sessions.get(req.session).window
+        elif req.user is not None:
+            key = chat_key(req.user)
+            found = sessions.find(key, kind="chat")
+            if found is None:
+                sessions.reserve()
+                found = sessions.add(ContextWindow(engine, store=store), key=key, kind="chat")
+            window = found.window
+        start = await worker.run(chat_ops.start_chat, engine, window, req, params, limits)
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or engine.name
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            body = _sse_chat(worker, engine, start, cid, created, model, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+        text = (start.first or "") + "".join([p async for p in worker.iterate(start.pieces)])
+        usage = _usage(engine, start, text)
+        return ChatCompletion(
+            id=cid,
+            created=created,
+            model=model,
+            choices=[
+                ChatChoice(message=ChatCompletionMessage(content=text), finish_reason=_finish(usage, start.max_tokens))
+            ],
+            usage=usage,
+        )
+
+    return app
+
+
+def _usage(engine: Engine, start: chat_ops.ChatStart, text: str) -> Usage:
+    completion = ops.completion_tokens(engine, text)
+    return Usage(
+        prompt_tokens=start.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=start.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=start.cached_tokens),
+    )
+
+
+def _finish(usage: Usage, max_tokens: int) -> Any:
+    return "length" if usage.completion_tokens >= max_tokens else "stop"
+
+
+async def _sse_generate(worker: ModelWorker, pieces: Iterator[str], first: str | None) -> AsyncIterator[bytes]:
+    """``token`` events with each piece, then ``done`` with the whole text, or ``error``."""
+    text: list[str] = []
+    try:
+        if first is not None:
+            text.append(first)
+            yield encode_event({"text": first}, "token")
+        async for piece in worker.iterate(pieces):
+            text.append(piece)
+            yield encode_event({"text": piece}, "token")
+        yield encode_event({"text": "".join(text)}, "done")
+    except Exception as exc:  # headers are sent: report in-band
+        yield encode_event(error_body(type(exc).__name__, str(exc)), "error")
+
+
+async def _sse_chat(
+    worker: ModelWorker,
+    engine: Engine,
+    start: chat_ops.ChatStart,
+    cid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """OpenAI's stream: a role delta, content deltas, a finish chunk, optionally usage, then ``[DONE]``."""
+
+    def chunk(delta: ChunkDelta, finish: Any = None) -> bytes:
+        c = ChatCompletionChunk(
+            id=cid, created=created, model=model, choices=[ChunkChoice(delta=delta, finish_reason=finish)]
+        )
+        return encode_event(c.model_dump(mode="json", exclude_none=True))
+
+    text: list[str] = []
+    try:
+        yield chunk(ChunkDelta(role="assistant", content=""))
+        if start.first is not None:
+            text.append(start.first)
+            yield chunk(ChunkDelta(content=start.first))
+        async for piece in worker.iterate(start.pieces):
+            text.append(piece)
+            yield chunk(ChunkDelta(content=piece))
+        usage = _usage(engine, start, "".join(text))
+        yield chunk(ChunkDelta(), _finish(usage, start.max_tokens))
+        if include_usage:
+            tail = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
+            yield encode_event(tail.model_dump(mode="json", exclude_none=True))
+    except Exception as exc:
+        yield encode_event(error_body(type(exc).__name__, str(exc)))
+    yield encode_event("[DONE]")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KameraError)
+    async def kamera_error(_: Request, exc: KameraError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        status, message = _validation_message(exc)
+        return JSONResponse(error_body("InvalidInputError", message), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        names = {404: "NotFound", 405: "MethodNotAllowed"}
+        return JSONResponse(
+            error_body(names.get(exc.status_code, "HTTPError"), str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body("InternalError", f"{type(exc).__name__}: {exc}"), status_code=500)

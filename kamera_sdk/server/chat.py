@@ -1,0 +1,164 @@
+"""OpenAI-compatible chat completions over a window: each message is a chunk.
+
+Every message but the last becomes one text chunk, ``"<role>: <content>"`` (and each image part one
+image chunk in front of it); the last message's content is the prompt, placed in the chat template's
+user turn. The window is synced to the message list on every request: chunks of messages that left
+the list are evicted, new ones added, and the order fixed by a reorder, so a growing or trimmed history
+reuses every chunk it still holds instead of prefilling it again. Because the window equals the
+messages after the sync, a window shared by one ``user`` value never leaks other requests' content
+into an answer.
+"""
+
+from __future__ import annotations
+
+import binascii
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kamera_engine import Engine, InvalidInputError, SamplingParams
+
+from ..window import ContextWindow
+from .errors import PayloadTooLargeError
+from .ops import Limits, add_image, check_tokens, decode_image
+from .schemas import ChatCompletionRequest, ChatMessage
+
+#: Default answer length when a request names none (OpenAI's default is "until the context ends").
+DEFAULT_MAX_TOKENS = 256
+
+Item = str | bytes  # one chunk to be: text, or an image's bytes
+
+
+def message_items(message: ChatMessage, limits: Limits) -> list[Item]:
+    """The chunks of one (non-final) message: its images, then ``"<role>: <text>"``."""
+    images: list[bytes] = []
+    texts: list[str] = []
+    if isinstance(message.content, str):
+        texts.append(message.content)
+    elif message.content is not None:
+        for part in message.content:
+            if part.type == "text":
+                texts.append(part.text or "")
+            elif part.image_url is not None:
+                images.append(_data_url_bytes(part.image_url.url, limits))
+    text = "\n".join(t for t in texts if t)
+    if message.tool_calls:
+        calls = ", ".join(
+            f"{c.get('function', {}).get('name', '?')}({c.get('function', {}).get('arguments', '')})"
+            for c in message.tool_calls
+        )
+        text = f"{text}\n[tool calls: {calls}]" if text else f"[tool calls: {calls}]"
+    role = message.role if message.name is None else f"{message.role} ({message.name})"
+    return [*images, f"{role}: {text}"] if text.strip() else list(images)
+
+
+def prompt_text(message: ChatMessage) -> str:
+    """The final message's text, the prompt of the answer."""
+    if isinstance(message.content, str):
+        text = message.content
+    elif message.content is None:
+        text = ""
+    else:
+        if any(p.type == "image_url" for p in message.content):
+            raise InvalidInputError("put images in an earlier message: the last message is the prompt, text only")
+        text = "\n".join(p.text or "" for p in message.content)
+    if not text.strip():
+        raise InvalidInputError("messages[-1] needs text content: it is the prompt")
+    return text
+
+
+def _data_url_bytes(url: str, limits: Limits) -> bytes:
+    if not url.startswith("data:"):
+        raise InvalidInputError("image_url must be a data: URL (this server does not fetch remote images)")
+    head, _, data = url.partition(",")
+    if not head.endswith(";base64"):
+        raise InvalidInputError("image data: URLs must be base64-encoded")
+    try:
+        return decode_image(data, limits)
+    except PayloadTooLargeError:
+        raise
+    except (binascii.Error, ValueError) as exc:  # pragma: no cover - decode_image converts these
+        raise InvalidInputError(f"bad image data: {exc}") from exc
+
+
+def sync_window(win: ContextWindow, items: list[Item], limits: Limits) -> None:
+    """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has."""
+    engine = win.engine
+    texts = [i for i in items if isinstance(i, str)]
+    check_tokens(win, sum(len(engine.tokenize(t)) for t in texts) - win.tokens, limits)
+    ids: list[str] = []
+    for item in items:
+        cid = str(win.add_text(item)) if isinstance(item, str) else add_image(win, item)
+        if cid not in ids:  # a window is a set: a repeated message is one chunk
+            ids.append(cid)
+    for cid in [c for c in win.chunks if c not in ids]:
+        win.evict(cid)
+    present = [c for c in ids if c in win]  # a token budget may have slid some out
+    if list(win.chunks) != present:
+        win.reorder(present)
+
+
+@dataclass(slots=True)
+class ChatStart:
+    """The first piece of an answer, the iterator of the rest, and the prompt-side token counts."""
+
+    pieces: Iterator[str]
+    first: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    max_tokens: int
+
+
+def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_new_tokens)
+    if max_tokens > limits.max_new_tokens:
+        raise InvalidInputError(f"max_tokens={max_tokens} is over this server's limit of {limits.max_new_tokens}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=0.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        stop=tuple(stop),
+        seed=req.seed,
+    )
+
+
+def start_chat(
+    engine: Engine, win: ContextWindow | None, req: ChatCompletionRequest, params: SamplingParams, limits: Limits
+) -> ChatStart:
+    """One worker job: sync the window to the messages, prefill the prompt, decode the first piece.
+
+    ``win=None``: a window for this request only.
+    """
+    items = [item for m in req.messages[:-1] for item in message_items(m, limits)]
+    prompt = prompt_text(req.messages[-1])
+    prompt_ids = engine.prompt_ids(prompt)
+    if win is None and items:
+        win = ContextWindow(engine)
+    if win is not None:
+        before = win.stats()
+        sync_window(win, items, limits)
+    if win is not None and len(win):
+        pieces = win.generate(
+            prompt,
+            params.max_new_tokens,
+            stream=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            stop=list(params.stop),
+            seed=params.seed,
+        )
+        after = win.stats()
+        computed = (
+            after.tokens_prefilled - before.tokens_prefilled + after.ingest_tokens - before.ingest_tokens
+        ) + len(prompt_ids)
+        context = len(engine.anchor_ids) + win.tokens
+    else:  # no earlier messages: the prompt sits right behind the chat anchor
+        params.validate()
+        pieces = engine.generate(engine.anchor_kv, prompt_ids, len(engine.anchor_ids), params)
+        computed = len(prompt_ids)
+        context = len(engine.anchor_ids)
+    total = context + len(prompt_ids)
+    first = next(pieces, None)
+    return ChatStart(pieces, first, total, max(0, total - computed), params.max_new_tokens)

@@ -1,0 +1,576 @@
+"""``RemoteWindow`` / ``AsyncRemoteWindow``: a ``ContextWindow`` served by ``kamera serve``, over httpx.
+
+    from kamera_sdk.server import RemoteWindow
+    with RemoteWindow("http://127.0.0.1:8765", api_key="...") as win:   # creates a session
+        a = win.add_text("...")
+        print(win.generate("Question: ...", max_new_tokens=16))
+
+The methods are ContextWindow's (``add_text``, ``add``, ``evict``, ``recall``, ``reorder``, ``slide``,
+``fork``, ``generate`` with ``stream``, ``next_token_logprobs``, ``stats``, ``chunks``, ``evicted``),
+with these differences: ``next_token_logprobs`` returns a list of floats (vocab,) rather than a tensor
+(``top_logprobs`` asks for the best k only, a much smaller answer); ``fork`` returns a remote window on a
+new session. Errors come back as the same Kamera exceptions (``InvalidInputError``,
+``ChunkNotFoundError``, ``WindowOperationError``...), plus the ``RemoteError`` family of ``errors.py``.
+
+Both classes are thin: each method is one request description from ``_Requests`` (no I/O there) sent
+by the class's own transport, so the sync and async twins cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Generic, Literal, TypeVar, overload
+
+import httpx
+
+from ..stats import WindowStats
+from .errors import RemoteError, error_from_response
+from .schemas import ChunkAdded, LogprobsResult, SessionCreated, SlideResult, TopToken, WindowState
+from .sse import Event, SSEDecoder
+
+T = TypeVar("T")
+DEFAULT_URL = "http://127.0.0.1:8765"
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Request(Generic[T]):
+    """One HTTP request and how to read its JSON answer."""
+
+    method: str
+    path: str
+    json: Any
+    parse: Callable[[Any], T]
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _state(body: Any) -> WindowState:
+    return WindowState.model_validate(body)
+
+
+def _image_b64(image: bytes | str | Path) -> str:
+    data = image if isinstance(image, bytes) else Path(image).read_bytes()
+    return base64.b64encode(data).decode("ascii")
+
+
+class _Requests:
+    """The request behind each window method, for one session (pure: builds, never sends)."""
+
+    def __init__(self, session_id: str) -> None:
+        self.base = f"/v1/sessions/{session_id}"
+
+    @staticmethod
+    def create(options: dict[str, Any]) -> _Request[SessionCreated]:
+        return _Request("POST", "/v1/sessions", options, SessionCreated.model_validate)
+
+    def state(self) -> _Request[WindowState]:
+        return _Request("GET", self.base, None, _state)
+
+    def delete(self) -> _Request[None]:
+        return _Request("DELETE", self.base, None, _none)
+
+    def add_text(self, text: str) -> _Request[str]:
+        return _Request("POST", f"{self.base}/chunks", {"text": text}, lambda b: ChunkAdded.model_validate(b).chunk)
+
+    def add(self, token_ids: Sequence[int], kind: str) -> _Request[str]:
+        body = {"token_ids": [int(t) for t in token_ids], "kind": kind}
+        return _Request("POST", f"{self.base}/chunks", body, lambda b: ChunkAdded.model_validate(b).chunk)
+
+    def add_image(self, image: bytes | str | Path) -> _Request[str]:
+        body = {"image_base64": _image_b64(image)}
+        return _Request("POST", f"{self.base}/chunks", body, lambda b: ChunkAdded.model_validate(b).chunk)
+
+    def evict(self, chunk_id: str) -> _Request[None]:
+        return _Request("POST", f"{self.base}/evict", {"chunk": chunk_id}, _none)
+
+    def recall(self, chunk_id: str, at: int | None) -> _Request[None]:
+        return _Request("POST", f"{self.base}/recall", {"chunk": chunk_id, "at": at}, _none)
+
+    def reorder(self, order: Sequence[str] | Literal["auto"]) -> _Request[list[str]]:
+        body = {"order": order if isinstance(order, str) else list(order)}
+        return _Request("POST", f"{self.base}/reorder", body, lambda b: _state(b).chunks)
+
+    def slide(self, n: int) -> _Request[list[str]]:
+        return _Request("POST", f"{self.base}/slide", {"n": n}, lambda b: SlideResult.model_validate(b).removed)
+
+    def fork(self) -> _Request[str]:
+        return _Request("POST", f"{self.base}/fork", None, lambda b: SessionCreated.model_validate(b).id)
+
+    def stats(self) -> _Request[WindowStats]:
+        return _Request("GET", f"{self.base}/stats", None, WindowStats.model_validate)
+
+    def logprobs(self, prompt: str | Sequence[int], top_k: int | None) -> _Request[LogprobsResult]:
+        body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "top_k": top_k}
+        return _Request("POST", f"{self.base}/logprobs", body, LogprobsResult.model_validate)
+
+    def generate(self, prompt: str | Sequence[int], **options: Any) -> _Request[str]:
+        body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), **options}
+        if body.get("stop") is not None:
+            body["stop"] = list(body["stop"])
+        return _Request("POST", f"{self.base}/generate", body, lambda b: str(b["text"]))
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return response.json() if response.content else None
+    except ValueError:
+        return response.text
+
+
+def _checked(response: httpx.Response) -> Any:
+    """The JSON body of a success, or the Kamera exception an error response names."""
+    if response.is_success:
+        return _json(response)
+    raise error_from_response(response.status_code, _json(response))
+
+
+_DONE = object()
+
+
+def _stream_event(event: Event) -> Any:
+    """A text piece, ``_DONE``, ``None`` (ignore), or raises the error the server reported in-band."""
+    if event.event == "token":
+        return str(event.json()["text"])
+    if event.event == "done":
+        return _DONE
+    if event.event == "error":
+        raise error_from_response(500, event.json())
+    return None
+
+
+def _options(
+    policy: str, rank: int, budget_tokens: int | None, compress: str | None, kv_budget: float | None
+) -> dict[str, Any]:
+    return dict(policy=policy, rank=rank, budget_tokens=budget_tokens, compress=compress, kv_budget=kv_budget)
+
+
+def _unreachable(url: str, exc: httpx.TransportError) -> RemoteError:
+    return RemoteError(f"cannot reach the Kamera server at {url}: {exc}", status=0, type_name="TransportError")
+
+
+class RemoteWindow:
+    """A window on a Kamera server (sync). Creates a session unless ``session_id`` attaches to one.
+
+    ``client``: an ``httpx.Client`` to share (its ``base_url`` and auth are used as they are); by
+    default the window opens its own. ``close()`` (or leaving ``with``) deletes a session this object
+    created and closes a client it opened.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        session_id: str | None = None,
+        policy: str = "kamera",
+        rank: int = 32,
+        budget_tokens: int | None = None,
+        compress: str | None = None,
+        kv_budget: float | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self._api_key = api_key
+        self._timeout = timeout
+        self._owns_client = client is None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = client or httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+        self._owns_session = session_id is None
+        if session_id is None:
+            options = _options(policy, rank, budget_tokens, compress, kv_budget)
+            try:
+                session_id = self._send(_Requests.create(options)).id
+            except BaseException:
+                if self._owns_client:
+                    self._client.close()
+                raise
+        self.id: str = session_id
+        self._r = _Requests(session_id)
+
+    # --- transport ------------------------------------------------------------------------------
+    def _send(self, req: _Request[T]) -> T:
+        try:
+            response = self._client.request(req.method, req.path, json=req.json)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+        return req.parse(_checked(response))
+
+    def _stream(self, req: _Request[Any]) -> Iterator[str]:
+        try:
+            response = self._client.send(self._client.build_request(req.method, req.path, json=req.json), stream=True)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+        if not response.is_success:
+            response.read()
+            response.close()
+            _checked(response)
+        return self._pieces(response)
+
+    @staticmethod
+    def _pieces(response: httpx.Response) -> Iterator[str]:
+        decoder = SSEDecoder()
+        try:
+            for line in response.iter_lines():
+                event = decoder.feed(line)
+                piece = None if event is None else _stream_event(event)
+                if piece is _DONE:
+                    return
+                if piece is not None:
+                    yield piece
+        finally:
+            response.close()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> RemoteWindow:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete the session if this object created it; close the client if this object opened it."""
+        try:
+            if self._owns_session:
+                self.delete()
+        finally:
+            if self._owns_client:
+                self._client.close()
+
+    def delete(self) -> None:
+        """Delete the session on the server (its window and chunks are gone)."""
+        self._send(self._r.delete())
+        self._owns_session = False
+
+    # --- inspection -----------------------------------------------------------------------------
+    def state(self) -> WindowState:
+        """Chunks, evicted chunks and tokens, in one request."""
+        return self._send(self._r.state())
+
+    @property
+    def chunks(self) -> list[str]:
+        """Chunk ids in window order."""
+        return self.state().chunks
+
+    @property
+    def evicted(self) -> list[str]:
+        """Evicted (recallable) chunk ids, oldest first."""
+        return self.state().evicted
+
+    @property
+    def tokens(self) -> int:
+        return self.state().tokens
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __contains__(self, chunk_id: object) -> bool:
+        return chunk_id in self.chunks
+
+    def stats(self) -> WindowStats:
+        return self._send(self._r.stats())
+
+    # --- content and window operations ----------------------------------------------------------
+    def add_text(self, text: str) -> str:
+        return self._send(self._r.add_text(text))
+
+    def add(self, token_ids: Sequence[int], *, kind: str = "tokens") -> str:
+        return self._send(self._r.add(token_ids, kind))
+
+    def add_image(self, image: bytes | str | Path) -> str:
+        """An image chunk (bytes or a local file; the server needs a VLM engine)."""
+        return self._send(self._r.add_image(image))
+
+    def evict(self, chunk_id: str) -> None:
+        self._send(self._r.evict(chunk_id))
+
+    def recall(self, chunk_id: str, at: int | None = None) -> None:
+        self._send(self._r.recall(chunk_id, at))
+
+    def reorder(self, order: Sequence[str] | Literal["auto"]) -> list[str]:
+        return self._send(self._r.reorder(order))
+
+    def slide(self, n: int = 1) -> list[str]:
+        return self._send(self._r.slide(n))
+
+    def fork(self) -> RemoteWindow:
+        """A copy-on-write branch on a new session (owned, so ``close()`` deletes it)."""
+        child_id = self._send(self._r.fork())
+        shared = None if self._owns_client else self._client
+        child = RemoteWindow(
+            self.base_url, api_key=self._api_key, session_id=child_id, timeout=self._timeout, client=shared
+        )
+        child._owns_session = True
+        return child
+
+    # --- using the window -----------------------------------------------------------------------
+    def next_token_logprobs(self, prompt: str | Sequence[int]) -> list[float]:
+        """Log-probabilities (vocab,) of the next token, as floats (about 1 MB of JSON for 49k tokens)."""
+        result = self._send(self._r.logprobs(prompt, None))
+        return result.logprobs or []
+
+    def top_logprobs(self, prompt: str | Sequence[int], k: int = 10) -> list[TopToken]:
+        """The ``k`` most likely next tokens, best first."""
+        return self._send(self._r.logprobs(prompt, k)).top or []
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[False] = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: Sequence[str] | None = ...,
+        seed: int | None = ...,
+    ) -> str: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[True],
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: Sequence[str] | None = ...,
+        seed: int | None = ...,
+    ) -> Iterator[str]: ...
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> str | Iterator[str]:
+        """The answer (str), or with ``stream=True`` an iterator of text pieces (server-sent events)."""
+        req = self._r.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            stream=stream,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+        )
+        return self._stream(req) if stream else self._send(req)
+
+
+class AsyncRemoteWindow:
+    """A window on a Kamera server (asyncio). The session is created on first use (or ``await open()``);
+    ``async with AsyncRemoteWindow(url) as win`` opens it and deletes it on exit.
+
+    ``chunks()``, ``evicted()`` and ``state()`` are coroutines here (properties cannot await).
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        session_id: str | None = None,
+        policy: str = "kamera",
+        rank: int = 32,
+        budget_tokens: int | None = None,
+        compress: str | None = None,
+        kv_budget: float | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self._api_key = api_key
+        self._timeout = timeout
+        self._owns_client = client is None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = client or httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout)
+        self._options = _options(policy, rank, budget_tokens, compress, kv_budget)
+        self._owns_session = session_id is None
+        self.id: str | None = session_id
+        self._r: _Requests | None = None if session_id is None else _Requests(session_id)
+
+    # --- transport ------------------------------------------------------------------------------
+    async def _send(self, req: _Request[T]) -> T:
+        try:
+            response = await self._client.request(req.method, req.path, json=req.json)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+        return req.parse(_checked(response))
+
+    async def _requests(self) -> _Requests:
+        if self._r is None:
+            await self.open()
+        assert self._r is not None
+        return self._r
+
+    async def _stream(self, req: _Request[Any]) -> AsyncIterator[str]:
+        try:
+            request = self._client.build_request(req.method, req.path, json=req.json)
+            response = await self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+        if not response.is_success:
+            await response.aread()
+            await response.aclose()
+            _checked(response)
+        return self._pieces(response)
+
+    @staticmethod
+    async def _pieces(response: httpx.Response) -> AsyncIterator[str]:
+        decoder = SSEDecoder()
+        try:
+            async for line in response.aiter_lines():
+                event = decoder.feed(line)
+                piece = None if event is None else _stream_event(event)
+                if piece is _DONE:
+                    return
+                if piece is not None:
+                    yield piece
+        finally:
+            await response.aclose()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def open(self) -> AsyncRemoteWindow:
+        """Create the session (once)."""
+        if self.id is None:
+            self.id = (await self._send(_Requests.create(self._options))).id
+            self._r = _Requests(self.id)
+        return self
+
+    async def __aenter__(self) -> AsyncRemoteWindow:
+        return await self.open()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Delete the session if this object created it; close the client if this object opened it."""
+        try:
+            if self._owns_session and self.id is not None:
+                await self.delete()
+        finally:
+            if self._owns_client:
+                await self._client.aclose()
+
+    async def delete(self) -> None:
+        await self._send((await self._requests()).delete())
+        self._owns_session = False
+
+    # --- inspection -----------------------------------------------------------------------------
+    async def state(self) -> WindowState:
+        return await self._send((await self._requests()).state())
+
+    async def chunks(self) -> list[str]:
+        return (await self.state()).chunks
+
+    async def evicted(self) -> list[str]:
+        return (await self.state()).evicted
+
+    async def stats(self) -> WindowStats:
+        return await self._send((await self._requests()).stats())
+
+    # --- content and window operations ----------------------------------------------------------
+    async def add_text(self, text: str) -> str:
+        return await self._send((await self._requests()).add_text(text))
+
+    async def add(self, token_ids: Sequence[int], *, kind: str = "tokens") -> str:
+        return await self._send((await self._requests()).add(token_ids, kind))
+
+    async def add_image(self, image: bytes | str | Path) -> str:
+        return await self._send((await self._requests()).add_image(image))
+
+    async def evict(self, chunk_id: str) -> None:
+        await self._send((await self._requests()).evict(chunk_id))
+
+    async def recall(self, chunk_id: str, at: int | None = None) -> None:
+        await self._send((await self._requests()).recall(chunk_id, at))
+
+    async def reorder(self, order: Sequence[str] | Literal["auto"]) -> list[str]:
+        return await self._send((await self._requests()).reorder(order))
+
+    async def slide(self, n: int = 1) -> list[str]:
+        return await self._send((await self._requests()).slide(n))
+
+    async def fork(self) -> AsyncRemoteWindow:
+        """A copy-on-write branch on a new session (owned, so ``aclose()`` deletes it)."""
+        child_id = await self._send((await self._requests()).fork())
+        shared = None if self._owns_client else self._client
+        child = AsyncRemoteWindow(
+            self.base_url, api_key=self._api_key, session_id=child_id, timeout=self._timeout, client=shared
+        )
+        child._owns_session = True
+        return child
+
+    # --- using the window -----------------------------------------------------------------------
+    async def next_token_logprobs(self, prompt: str | Sequence[int]) -> list[float]:
+        result = await self._send((await self._requests()).logprobs(prompt, None))
+        return result.logprobs or []
+
+    async def top_logprobs(self, prompt: str | Sequence[int], k: int = 10) -> list[TopToken]:
+        return (await self._send((await self._requests()).logprobs(prompt, k))).top or []
+
+    @overload
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[False] = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: Sequence[str] | None = ...,
+        seed: int | None = ...,
+    ) -> str: ...
+
+    @overload
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[True],
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: Sequence[str] | None = ...,
+        seed: int | None = ...,
+    ) -> AsyncIterator[str]: ...
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> str | AsyncIterator[str]:
+        """The answer (str), or with ``stream=True`` an async iterator of text pieces."""
+        req = (await self._requests()).generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            stream=stream,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+        )
+        return await self._stream(req) if stream else await self._send(req)

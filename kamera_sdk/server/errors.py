@@ -1,0 +1,142 @@
+"""Errors of the engine server and its client, and how Kamera errors map to HTTP statuses.
+
+The server adds a few errors to Kamera's tree (``kamera_engine.errors``)::
+
+    KameraError
+    ├── InvalidInputError                  422 (400 for a body that is not JSON)
+    │   ├── MediaError                     422
+    │   └── PayloadTooLargeError           413  a body or image over the server's limit
+    ├── ChunkNotFoundError                 404
+    ├── WindowOperationError               409
+    └── RemoteError                        the server or the way to it (status 0: no HTTP answer)
+        ├── AuthenticationError            401  missing or wrong API key
+        ├── SessionNotFoundError           404  unknown (or deleted) session id
+        └── LimitExceededError             429  too many sessions
+
+Every error response has the body ``{"error": {"type": <class name>, "message": <text>}}``; the
+client raises the class named by ``type`` again, so remote code catches the same exceptions as local.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kamera_engine import errors as _engine_errors
+from kamera_engine.errors import (
+    ChunkNotFoundError,
+    InvalidInputError,
+    KameraError,
+    ModelLoadError,
+    StoreError,
+    UnsupportedModelError,
+    WindowOperationError,
+)
+
+
+class RemoteError(KameraError):
+    """An error reported by a Kamera server, or met on the way to it (``status == 0``)."""
+
+    status: int = 500
+
+    def __init__(self, message: str, *, status: int | None = None, type_name: str | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        self.type_name = type_name or type(self).__name__
+
+
+class AuthenticationError(RemoteError):
+    """The request carried no API key, or the wrong one."""
+
+    status = 401
+
+
+class SessionNotFoundError(RemoteError):
+    """The session id is unknown to the server (never created, deleted, or expired)."""
+
+    status = 404
+
+
+class LimitExceededError(RemoteError):
+    """A server limit other than size was reached (e.g. the number of open sessions)."""
+
+    status = 429
+
+
+class PayloadTooLargeError(InvalidInputError, RemoteError):
+    """A request body or an image is larger than the server accepts."""
+
+    status = 413
+
+
+#: HTTP status per error class; the most specific class in an exception's MRO wins.
+STATUS: dict[type[Exception], int] = {
+    PayloadTooLargeError: 413,
+    InvalidInputError: 422,
+    ChunkNotFoundError: 404,
+    WindowOperationError: 409,
+    AuthenticationError: 401,
+    SessionNotFoundError: 404,
+    LimitExceededError: 429,
+    UnsupportedModelError: 422,
+    StoreError: 503,
+    ModelLoadError: 500,
+    KameraError: 500,
+}
+
+
+def status_for(exc: BaseException) -> int:
+    """The HTTP status for ``exc`` (500 for anything Kamera did not raise on purpose)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_body(type_name: str, message: str) -> dict[str, Any]:
+    """The JSON body of every error response."""
+    return {"error": {"type": type_name, "message": message}}
+
+
+def _known_errors() -> dict[str, type[KameraError]]:
+    known: dict[str, type[KameraError]] = {}
+    for name in _engine_errors.__all__:
+        cls = getattr(_engine_errors, name)
+        if isinstance(cls, type) and issubclass(cls, KameraError):
+            known[name] = cls
+    for cls in (RemoteError, AuthenticationError, SessionNotFoundError, LimitExceededError, PayloadTooLargeError):
+        known[cls.__name__] = cls
+    return known
+
+
+#: Error class per ``type`` name, for the client to raise what the server raised.
+KNOWN_ERRORS = _known_errors()
+
+
+def error_from_response(status: int, body: Any) -> KameraError:
+    """Rebuild the exception an error response describes (a ``RemoteError`` when the type is unknown)."""
+    type_name, message = "RemoteError", f"HTTP {status}"
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        type_name = str(body["error"].get("type", type_name))
+        message = str(body["error"].get("message", message))
+    elif isinstance(body, str) and body:
+        message = f"HTTP {status}: {body[:500]}"
+    cls = KNOWN_ERRORS.get(type_name)
+    if cls is None:
+        return RemoteError(message, status=status, type_name=type_name)
+    if issubclass(cls, RemoteError):
+        return cls(message, status=status, type_name=type_name)
+    return cls(message)
+
+
+__all__ = [
+    "KNOWN_ERRORS",
+    "AuthenticationError",
+    "LimitExceededError",
+    "PayloadTooLargeError",
+    "RemoteError",
+    "SessionNotFoundError",
+    "error_body",
+    "error_from_response",
+    "status_for",
+]

@@ -1,0 +1,113 @@
+"""Window work done on the model worker: each function is one job and touches one window.
+
+These functions validate against the server's limits before they change anything, so a refused
+request leaves the window as it was (the same promise ``ContextWindow`` makes).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kamera_engine import Engine, InvalidInputError, UnsupportedModelError
+
+from ..chunks import content_id
+from ..window import ContextWindow
+from .errors import PayloadTooLargeError
+from .schemas import ChunkAdd, GenerateRequest, LogprobsResult, TopToken, WindowState
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request or session may ask of the server."""
+
+    max_body_bytes: int = 2 << 20
+    max_image_bytes: int = 8 << 20
+    max_sessions: int = 256
+    max_new_tokens: int = 1024
+    max_session_tokens: int = 32768
+    session_ttl_s: float | None = 3600.0
+
+
+def window_state(session_id: str, win: ContextWindow) -> WindowState:
+    chunks, evicted = [str(c) for c in win.chunks], [str(c) for c in win.evicted]
+    return WindowState(session=session_id, policy=win.policy.name, chunks=chunks, evicted=evicted, tokens=win.tokens)
+
+
+def check_tokens(win: ContextWindow, extra: int, limits: Limits) -> None:
+    """Refuse content that would take the window past ``max_session_tokens``."""
+    if win.tokens + extra > limits.max_session_tokens:
+        raise PayloadTooLargeError(
+            f"the window would hold {win.tokens + extra} tokens; this server allows {limits.max_session_tokens} "
+            "per session (evict or slide first)"
+        )
+
+
+def decode_image(data: str, limits: Limits) -> bytes:
+    """Bytes of a base64 image, refusing oversized ones before decoding them."""
+    if len(data) * 3 // 4 > limits.max_image_bytes:
+        raise PayloadTooLargeError(f"image larger than this server's limit of {limits.max_image_bytes} bytes")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInputError(f"image_base64 is not valid base64: {exc}") from exc
+
+
+def add_image(win: ContextWindow, image: bytes) -> str:
+    """Append an image chunk; needs a VLM engine and an SDK whose windows have ``add_image``."""
+    add = getattr(win, "add_image", None)
+    if add is None:
+        raise UnsupportedModelError("image chunks need a vision-language engine (ContextWindow.add_image)")
+    return str(add(image))
+
+
+def add_chunk(session_id: str, win: ContextWindow, req: ChunkAdd, limits: Limits) -> tuple[str, WindowState]:
+    if req.text is not None:
+        if content_id("text", req.text.encode()) not in win:
+            check_tokens(win, len(win.engine.tokenize(req.text)), limits)
+        cid = str(win.add_text(req.text))
+    elif req.token_ids is not None:
+        check_tokens(win, len(req.token_ids), limits)
+        cid = str(win.add(req.token_ids, kind=req.kind))
+    else:
+        assert req.image_base64 is not None  # the schema admits exactly one kind of content
+        cid = add_image(win, decode_image(req.image_base64, limits))
+    return cid, window_state(session_id, win)
+
+
+def logprobs(win: ContextWindow, prompt: str | list[int], top_k: int | None) -> LogprobsResult:
+    lp = win.next_token_logprobs(prompt).float().clamp_min(-1e30)  # (vocab,); JSON has no -inf
+    if top_k is None:
+        return LogprobsResult(vocab_size=lp.numel(), logprobs=lp.tolist())
+    values, ids = torch.topk(lp, min(top_k, lp.numel()))
+    tok = win.engine.tokenizer
+    return LogprobsResult(
+        vocab_size=lp.numel(),
+        top=[
+            TopToken(token_id=int(i), token=tok.decode([int(i)]) if tok is not None else "", logprob=float(v))
+            for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+        ],
+    )
+
+
+def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[Iterator[str], str | None]:
+    """Prefill the prompt and decode the first piece; the rest is pulled one step per job."""
+    pieces = win.generate(
+        req.prompt,
+        req.max_new_tokens,
+        stream=True,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=req.stop,
+        seed=req.seed,
+    )
+    return pieces, next(pieces, None)
+
+
+def completion_tokens(engine: Engine, text: str) -> int:
+    """Tokens in a generated answer (re-tokenised: decode pieces are text, not tokens)."""
+    return len(engine.tokenize(text)) if text and engine.tokenizer is not None else 0

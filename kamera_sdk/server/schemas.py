@@ -1,0 +1,268 @@
+"""Request and response models of the engine server (pydantic), shared by the app and the client.
+
+Kamera's own endpoints forbid unknown fields (a typo is an error, not a silent default); the
+OpenAI-compatible endpoint ignores fields it does not use, so drop-in clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: A chunk id as the SDK makes them (a content hash); the length bound only keeps junk out early.
+ChunkIdStr = Annotated[str, Field(min_length=1, max_length=128)]
+Prompt = str | list[int]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- Kamera's own API ------------------------------------------------------------------------------
+class SessionCreate(_Strict):
+    """Options of a new session's ``ContextWindow``."""
+
+    policy: str = Field("kamera", max_length=64, description="reuse policy: kamera, recompute, prefix, blind, ...")
+    rank: int = Field(32, ge=1, le=4096, description="patch rank m")
+    budget_tokens: int | None = Field(None, ge=1, description="slide the oldest chunks out above this many tokens")
+    compress: str | None = Field(None, max_length=64, description="compression policy: elastic or david")
+    kv_budget: float | None = Field(None, gt=0, le=1, description="KV fraction kept by the compression policy")
+
+
+class WindowState(BaseModel):
+    """A session's window: chunk ids in order, and the evicted (recallable) ones."""
+
+    session: str
+    policy: str
+    chunks: list[str]
+    evicted: list[str]
+    tokens: int = Field(description="tokens in the window's chunks")
+
+
+class ChunkAdd(_Strict):
+    """One chunk: exactly one of ``text``, ``token_ids`` or ``image_base64``."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    kind: str = Field("tokens", max_length=32, description="chunk kind for token ids")
+    image_base64: str | None = Field(None, description="an image's bytes, base64 (VLM engines only)")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ChunkAdd:
+        given = [n for n in ("text", "token_ids", "image_base64") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of text, token_ids, image_base64 (got {given or 'none'})")
+        return self
+
+
+class ChunkAdded(BaseModel):
+    """The id of the added chunk and the window after the add."""
+
+    chunk: str
+    window: WindowState
+
+
+class ChunkRef(_Strict):
+    """A chunk of this session (``evict``)."""
+
+    chunk: ChunkIdStr
+
+
+class RecallRequest(_Strict):
+    """Re-admit an evicted chunk at slot ``at`` (default: the end)."""
+
+    chunk: ChunkIdStr
+    at: int | None = Field(None, ge=0)
+
+
+class ReorderRequest(_Strict):
+    """A permutation of the window's chunk ids, or ``"auto"``."""
+
+    order: list[ChunkIdStr] | Literal["auto"]
+
+
+class SlideRequest(_Strict):
+    """Drop the oldest ``n`` chunks."""
+
+    n: int = Field(1, ge=0)
+
+
+class SlideResult(BaseModel):
+    """The chunks that left, and the window after."""
+
+    removed: list[str]
+    window: WindowState
+
+
+class SessionCreated(BaseModel):
+    """A new session's id (an unguessable token: treat it as a secret) and its window."""
+
+    id: str
+    window: WindowState
+
+
+class GenerateRequest(_Strict):
+    """Decode an answer to ``prompt`` over the window (greedy by default)."""
+
+    prompt: Prompt
+    max_new_tokens: int = Field(64, ge=0)
+    stream: bool = False
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] | None = Field(None, max_length=16)
+    seed: int | None = None
+
+
+class GenerateResult(BaseModel):
+    """A whole (non-streamed) answer."""
+
+    text: str
+
+
+class LogprobsRequest(_Strict):
+    """Next-token log-probabilities after ``prompt``: the full vector, or the ``top_k`` best tokens."""
+
+    prompt: Prompt
+    top_k: int | None = Field(None, ge=1, le=1000)
+
+
+class TopToken(BaseModel):
+    """One candidate next token."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class LogprobsResult(BaseModel):
+    """``logprobs`` (vocab,) when no ``top_k`` was asked, else ``top`` (best first)."""
+
+    vocab_size: int
+    logprobs: list[float] | None = None
+    top: list[TopToken] | None = None
+
+
+class Health(BaseModel):
+    """Liveness: the server is up and which model it serves."""
+
+    status: Literal["ok"] = "ok"
+    model: str
+
+
+# --- OpenAI-compatible chat completions ------------------------------------------------------------
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Lenient):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Lenient):
+    """A part of a message: ``text`` or ``image_url`` (``data:`` URLs only)."""
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    """The subset of OpenAI's request Kamera serves; other fields are accepted and ignored.
+
+    ``session``: a session id from ``POST /v1/sessions`` whose window holds the conversation;
+    otherwise ``user`` keys a window of its own; with neither, the window lives for this request only.
+    ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    session: str | None = Field(None, max_length=128)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatCompletionMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="context tokens served from stored KV instead of prefilled")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kamera"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,108 @@
+"""Sessions: one ``ContextWindow`` each, found by an unguessable id.
+
+Each session owns its window and that window's chunk table, so a chunk id is only meaningful inside
+the session that added it: another session's ids are unknown to it (404), and nothing one session
+does can change another's window. Content is shared between sessions only through the store.
+
+The registry is touched only from the event loop thread, so it needs no lock; the windows themselves
+are only touched on the model worker (``worker.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..window import ContextWindow
+from .errors import LimitExceededError, SessionNotFoundError
+
+SessionKind = Literal["session", "chat"]
+
+
+@dataclass(slots=True)
+class Session:
+    """A window and its bookkeeping. ``kind="chat"``: a window keyed by an OpenAI ``user`` field."""
+
+    id: str
+    window: ContextWindow
+    kind: SessionKind = "session"
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+def new_session_id() -> str:
+    """An unguessable token (192 random bits)."""
+    return "ks_" + secrets.token_urlsafe(24)
+
+
+def chat_key(user: str) -> str:
+    """The registry key of the chat window of an OpenAI ``user`` value (never a valid session id)."""
+    return "chat:" + hashlib.sha256(user.encode()).hexdigest()
+
+
+class SessionRegistry:
+    """Open sessions, bounded in number and idle time.
+
+    When full, the least recently used chat windows (rebuilt from messages on their next request)
+    make room first; explicit sessions are only dropped by ``DELETE`` or after ``ttl_s`` idle.
+    """
+
+    def __init__(self, max_sessions: int, ttl_s: float | None) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def windows(self) -> list[ContextWindow]:
+        return [s.window for s in self._sessions.values()]
+
+    def reserve(self) -> None:
+        """Make room for one more session or raise ``LimitExceededError``."""
+        self._expire()
+        if len(self._sessions) < self.max_sessions:
+            return
+        chats = sorted((s for s in self._sessions.values() if s.kind == "chat"), key=lambda s: s.last_used)
+        if chats:
+            del self._sessions[chats[0].id]
+            return
+        raise LimitExceededError(f"the server holds its maximum of {self.max_sessions} sessions; delete one first")
+
+    def add(self, window: ContextWindow, *, key: str | None = None, kind: SessionKind = "session") -> Session:
+        """Register ``window`` under a fresh id (or ``key``); call ``reserve`` first."""
+        session = Session(key or new_session_id(), window, kind)
+        self._sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str, *, kind: SessionKind = "session") -> Session:
+        """The live session ``session_id`` or ``SessionNotFoundError`` (chat windows are not sessions)."""
+        self._expire()
+        session = self._sessions.get(session_id)
+        if session is None or session.kind != kind:
+            raise SessionNotFoundError("unknown session (never created, deleted, or expired)")
+        session.last_used = time.monotonic()
+        return session
+
+    def find(self, key: str, *, kind: SessionKind) -> Session | None:
+        try:
+            return self.get(key, kind=kind)
+        except SessionNotFoundError:
+            return None
+
+    def delete(self, session_id: str) -> None:
+        self.get(session_id)
+        del self._sessions[session_id]
+
+    def clear(self) -> None:
+        self._sessions.clear()
+
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        cutoff = time.monotonic() - self.ttl_s
+        for sid in [sid for sid, s in self._sessions.items() if s.last_used < cutoff]:
+            del self._sessions[sid]

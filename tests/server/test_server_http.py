@@ -1,0 +1,195 @@
+"""The HTTP surface with plain httpx: malformed requests, auth, limits, isolation, the OpenAI endpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from kamera_engine import Engine
+from kamera_sdk import ContextWindow
+from tests.server.conftest import MAX_BODY, LiveServer, make_app
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def http(live: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, headers=live.headers, timeout=120) as client:
+        yield client
+
+
+def session(http: httpx.Client, **options: Any) -> str:
+    r = http.post("/v1/sessions", json=options)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def error(r: httpx.Response, status: int, type_name: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["type"] == type_name, body
+    return str(body["message"])
+
+
+def test_health_needs_no_key_and_everything_else_does(live: LiveServer) -> None:
+    r = httpx.get(f"{live.url}/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": "SmolLM2-135M-Instruct"}
+    error(httpx.post(f"{live.url}/v1/sessions", json={}), 401, "AuthenticationError")
+    r = httpx.post(f"{live.url}/v1/sessions", json={}, headers={"Authorization": "Bearer wrong"})
+    error(r, 401, "AuthenticationError")
+    assert r.headers["www-authenticate"] == "Bearer"
+    error(httpx.get(f"{live.url}/v1/models", headers={"Authorization": live.api_key}), 401, "AuthenticationError")
+    r = httpx.get(f"{live.url}/v1/models", headers=live.headers)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_malformed_requests(http: httpx.Client) -> None:
+    sid = session(http)
+    bad_json = http.post(
+        f"/v1/sessions/{sid}/chunks", content=b'{"text": "x"', headers={"content-type": "application/json"}
+    )
+    assert "not valid JSON" in error(bad_json, 400, "InvalidInputError")
+    assert "colour" in error(http.post("/v1/sessions", json={"colour": "red"}), 422, "InvalidInputError")
+    assert "rank" in error(http.post("/v1/sessions", json={"rank": 0}), 422, "InvalidInputError")
+    msg = error(http.post(f"/v1/sessions/{sid}/chunks", json={"text": "a", "token_ids": [1]}), 422, "InvalidInputError")
+    assert "exactly one" in msg
+    error(http.post(f"/v1/sessions/{sid}/chunks", json={}), 422, "InvalidInputError")
+    error(http.post(f"/v1/sessions/{sid}/slide", json={"n": "many"}), 422, "InvalidInputError")
+    msg = error(
+        http.post(f"/v1/sessions/{sid}/generate", json={"prompt": "hi", "max_new_tokens": 65}), 422, "InvalidInputError"
+    )
+    assert "limit of 64" in msg
+    error(http.post(f"/v1/sessions/{sid}/generate", json={"prompt": "hi", "top_p": 0}), 422, "InvalidInputError")
+    error(http.get("/v1/nothing-here"), 404, "NotFound")
+    error(http.put(f"/v1/sessions/{sid}"), 405, "MethodNotAllowed")
+    image = http.post(f"/v1/sessions/{sid}/chunks", json={"image_base64": "aGVsbG8="})
+    error(image, 422, "UnsupportedModelError")  # a text-only engine
+    assert http.get(f"/v1/sessions/{sid}").json()["chunks"] == []
+
+
+def test_oversized_bodies_are_refused(http: httpx.Client) -> None:
+    sid = session(http)
+    big = {"text": "word " * (MAX_BODY // 4)}
+    error(http.post(f"/v1/sessions/{sid}/chunks", json=big), 413, "PayloadTooLargeError")
+
+    def chunked() -> Iterator[bytes]:  # no content-length: the limit still holds while reading
+        yield b'{"text": "'
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = http.post(f"/v1/sessions/{sid}/chunks", content=chunked(), headers={"content-type": "application/json"})
+    error(r, 413, "PayloadTooLargeError")
+    many_tokens = {"token_ids": [5] * 3000}  # under the body limit, over the 2048-token session limit
+    assert "2048" in error(http.post(f"/v1/sessions/{sid}/chunks", json=many_tokens), 413, "PayloadTooLargeError")
+    assert http.get(f"/v1/sessions/{sid}").json()["chunks"] == []
+
+
+def test_sessions_are_isolated(http: httpx.Client) -> None:
+    a, b = session(http), session(http)
+    assert a != b and len(a) >= 32
+    chunk_a = http.post(f"/v1/sessions/{a}/chunks", json={"text": "Alice's secret is 4711."}).json()["chunk"]
+    http.post(f"/v1/sessions/{b}/chunks", json={"text": "Bob's note."})
+    # a chunk id from another session is unknown here, whatever the operation
+    error(http.post(f"/v1/sessions/{b}/evict", json={"chunk": chunk_a}), 404, "ChunkNotFoundError")
+    error(http.post(f"/v1/sessions/{b}/recall", json={"chunk": chunk_a}), 404, "ChunkNotFoundError")
+    error(http.post(f"/v1/sessions/{b}/reorder", json={"order": [chunk_a]}), 422, "InvalidInputError")
+    assert chunk_a not in json.dumps(http.get(f"/v1/sessions/{b}").json())
+    assert http.get(f"/v1/sessions/{a}").json()["chunks"] == [chunk_a]
+    # unknown and deleted sessions
+    error(http.get("/v1/sessions/ks_not-a-session"), 404, "SessionNotFoundError")
+    error(http.post("/v1/sessions/ks_nope/chunks", json={"text": "x"}), 404, "SessionNotFoundError")
+    assert http.delete(f"/v1/sessions/{a}").status_code == 204
+    error(http.get(f"/v1/sessions/{a}/stats"), 404, "SessionNotFoundError")
+    error(http.delete(f"/v1/sessions/{a}"), 404, "SessionNotFoundError")
+
+
+def test_session_limit_and_clean_shutdown(default_engine: Engine) -> None:
+    app = make_app(default_engine, api_key=None, max_sessions=2)
+    with TestClient(app) as client:
+        ids = [client.post("/v1/sessions").json()["id"] for _ in range(2)]
+        error(client.post("/v1/sessions", json={}), 429, "LimitExceededError")  # type: ignore[arg-type]
+        error(client.post(f"/v1/sessions/{ids[0]}/fork"), 429, "LimitExceededError")  # type: ignore[arg-type]
+        assert client.delete(f"/v1/sessions/{ids[0]}").status_code == 204
+        assert client.post("/v1/sessions", json={"policy": "prefix"}).status_code == 201
+    state = app.state.kamera
+    assert len(state.sessions) == 0  # the lifespan shut the worker down and dropped the sessions
+    with pytest.raises(RuntimeError):
+        state.worker._pool.submit(print)
+
+
+def chat(http: httpx.Client, **body: Any) -> httpx.Response:
+    return http.post("/v1/chat/completions", json=body)
+
+
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "My name is Ada and I live in Lisbon."},
+    {"role": "assistant", "content": "Nice to meet you, Ada."},
+    {"role": "user", "content": "Which city do I live in?"},
+]
+
+
+def test_openai_chat_completions(http: httpx.Client, default_engine: Engine) -> None:
+    r = chat(http, model="whatever", messages=MESSAGES, max_tokens=8, frequency_penalty=0.0)  # unknown: ignored
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    assert 0 < usage["completion_tokens"] <= 8
+    # the same content as an in-process window: each earlier message one chunk, the last one the prompt
+    local = ContextWindow(default_engine)
+    for m in MESSAGES[:-1]:
+        local.add_text(f"{m['role']}: {m['content']}")
+    assert choice["message"]["content"] == local.generate(MESSAGES[-1]["content"], max_new_tokens=8)
+    # streaming: OpenAI chunks, the same text, usage on request, then [DONE]
+    r = chat(http, messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == choice["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == usage["completion_tokens"]
+    # a single message needs no window
+    r = chat(http, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_openai_user_windows_reuse_chunks(http: httpx.Client) -> None:
+    first = chat(http, messages=MESSAGES, max_tokens=4, user="ada").json()["usage"]
+    grown = [*MESSAGES[:-1], {"role": "user", "content": "And my name?"}]
+    second = chat(http, messages=grown, max_tokens=4, user="ada").json()["usage"]
+    assert second["prompt_tokens_details"]["cached_tokens"] > first["prompt_tokens_details"]["cached_tokens"]
+    trimmed = [MESSAGES[0], *grown[2:]]  # history trimmed: the window evicts, nothing is prefilled again
+    r = chat(http, messages=trimmed, max_tokens=4, user="ada")
+    assert r.status_code == 200
+    # a native session can back the conversation too; unknown ones are refused
+    sid = session(http)
+    assert chat(http, messages=MESSAGES, max_tokens=4, session=sid).status_code == 200
+    assert len(http.get(f"/v1/sessions/{sid}").json()["chunks"]) == 3
+    error(chat(http, messages=MESSAGES, session="ks_nope"), 404, "SessionNotFoundError")
+
+
+def test_openai_malformed(http: httpx.Client) -> None:
+    error(chat(http, messages=[]), 422, "InvalidInputError")
+    error(chat(http, messages=[{"role": "wizard", "content": "x"}]), 422, "InvalidInputError")
+    error(chat(http, messages=MESSAGES, n=2), 422, "InvalidInputError")
+    assert "limit" in error(chat(http, messages=MESSAGES, max_tokens=1000), 422, "InvalidInputError")
+    error(chat(http, messages=[{"role": "user", "content": "  "}]), 422, "InvalidInputError")
+    remote_image = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]},
+        MESSAGES[-1],
+    ]
+    assert "data: URL" in error(chat(http, messages=remote_image), 422, "InvalidInputError")

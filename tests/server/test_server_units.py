@@ -1,0 +1,122 @@
+"""Server pieces that need no model: SSE framing, error mapping, the session registry, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from kamera_sdk import ChunkNotFoundError, InvalidInputError, KameraError, MediaError, WindowOperationError
+from kamera_sdk.server import (
+    AuthenticationError,
+    LimitExceededError,
+    PayloadTooLargeError,
+    RemoteError,
+    SessionNotFoundError,
+)
+from kamera_sdk.server.errors import error_body, error_from_response, status_for
+from kamera_sdk.server.sessions import SessionRegistry, chat_key
+from kamera_sdk.server.sse import SSEDecoder, encode_event
+from kamera_sdk.server.worker import ModelWorker
+
+
+def test_sse_round_trip() -> None:
+    raw = encode_event({"text": "a\nb"}, "token") + b": keep-alive\n\n" + encode_event("[DONE]")
+    decoder = SSEDecoder()
+    events = [e for line in raw.decode().split("\n") if (e := decoder.feed(line)) is not None]
+    assert [(e.event, e.data) for e in events] == [("token", '{"text":"a\\nb"}'), ("message", "[DONE]")]
+    assert events[0].json() == {"text": "a\nb"}
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (InvalidInputError("x"), 422),
+        (MediaError("x"), 422),
+        (PayloadTooLargeError("x"), 413),
+        (ChunkNotFoundError("x"), 404),
+        (WindowOperationError("x"), 409),
+        (AuthenticationError("x"), 401),
+        (SessionNotFoundError("x"), 404),
+        (LimitExceededError("x"), 429),
+        (KameraError("x"), 500),
+        (RuntimeError("x"), 500),
+    ],
+)
+def test_errors_round_trip(exc: Exception, status: int) -> None:
+    assert status_for(exc) == status
+    back = error_from_response(status, error_body(type(exc).__name__, "why"))
+    assert isinstance(back, KameraError) and str(back) == "why"
+    if isinstance(exc, KameraError):
+        assert type(back) is type(exc)
+    else:
+        assert isinstance(back, RemoteError) and back.status == 500 and back.type_name == "RuntimeError"
+
+
+def test_unknown_error_bodies_become_remote_errors() -> None:
+    err = error_from_response(502, "<html>bad gateway</html>")
+    assert isinstance(err, RemoteError) and err.status == 502 and "bad gateway" in str(err)
+    assert isinstance(error_from_response(413, error_body("PayloadTooLargeError", "big")), InvalidInputError)
+
+
+def test_registry_limits_ttl_and_kinds() -> None:
+    reg = SessionRegistry(max_sessions=2, ttl_s=None)
+    win = object()
+    reg.reserve()
+    a = reg.add(win)  # type: ignore[arg-type]
+    reg.reserve()
+    chat = reg.add(win, key=chat_key("u"), kind="chat")  # type: ignore[arg-type]
+    assert a.id.startswith("ks_") and len(a.id) > 30 and not chat.id.startswith("ks_")
+    with pytest.raises(SessionNotFoundError):
+        reg.get(chat.id)  # chat windows are not addressable as sessions
+    reg.reserve()  # full: the chat window makes room
+    assert reg.find(chat.id, kind="chat") is None and len(reg) == 1
+    reg.add(win)  # type: ignore[arg-type]
+    with pytest.raises(LimitExceededError):
+        reg.reserve()
+    reg.ttl_s = 0.0
+    reg.reserve()  # everything idle for longer than 0 s expired
+    assert len(reg) == 0
+
+
+def test_worker_runs_in_order_and_closes_iterators() -> None:
+    worker = ModelWorker()
+    closed: list[bool] = []
+
+    def pieces() -> Iterator[str]:
+        try:
+            yield from ["a", "b", "c"]
+        finally:
+            closed.append(True)
+
+    async def main() -> list[str]:
+        out = []
+        async for p in worker.iterate(pieces()):
+            out.append(p)
+            if p == "b":
+                break
+        return out
+
+    assert asyncio.run(main()) == ["a", "b"]
+    worker.close()
+    assert closed == [True]
+
+
+def test_shutdown_flushes_a_given_store_without_closing_it() -> None:
+    from kamera_sdk.server.app import ServerState
+    from kamera_sdk.server.ops import Limits
+
+    class Store:
+        flushed = closed = 0
+
+        def flush(self) -> None:
+            self.flushed += 1
+
+        def close(self) -> None:
+            self.closed += 1
+
+    store = Store()
+    state = ServerState(engine=None, limits=Limits(), store=store)  # type: ignore[arg-type]
+    asyncio.run(state.shutdown())
+    assert (store.flushed, store.closed) == (1, 0)
