@@ -107,7 +107,9 @@ def test_shutdown_flushes_a_given_store_without_closing_it() -> None:
     from kamera_sdk.server.app import ServerState
     from kamera_sdk.server.ops import Limits
 
-    class Store:
+    from kamera_sdk.store import ChunkStore
+
+    class Store(ChunkStore):
         flushed = closed = 0
 
         def flush(self) -> None:
