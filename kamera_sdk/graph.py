@@ -54,13 +54,16 @@ class DependencyGraph:
         self.g.nodes[node]["stale"] = False
 
     def dependents(self, chunk_id: ChunkId) -> list[ChunkId]:
-        """Chunks whose live conditioning depends (transitively) on ``chunk_id``, in topological order."""
+        """Chunks whose live conditioning depends (transitively) on ``chunk_id``.
+
+        The graph may hold cycles (after a reorder, A can have absorbed B and B, earlier, A), so no
+        topological sort is taken here: the window re-materialises dependents in window order, which is
+        the order in which each one's antecedents are rebuilt.
+        """
         node = self.chunk_node(chunk_id)
         if node not in self.g:
             return []
-        down = nx.descendants(self.g, node)
-        sub = self.g.subgraph(down)
-        return [ChunkId(n[1]) for n in nx.topological_sort(sub) if n[0] == "chunk"]
+        return sorted(ChunkId(n[1]) for n in nx.descendants(self.g, node) if n[0] == "chunk")
 
     def mark_stale(self, chunk_ids: list[ChunkId]) -> None:
         for c in chunk_ids:

@@ -29,6 +29,7 @@ class Persistence:
         # canonicals depend on the anchor they were compiled after, and on the KV dtype
         anchor = antecedent_signature(tuple(str(t) for t in engine.anchor_ids))
         self.canonical_variant = f"anchor={anchor};dtype={str(engine.dtype).replace('torch.', '')}"
+        self.anchor = anchor
         self.stats = stats
         self._prefetched: dict[str, Future[StoreEntry | None]] = {}
 
@@ -56,9 +57,8 @@ class Persistence:
     def _patch_key(self, chunk: Chunk, variant: str) -> EntryKey:
         return EntryKey(self.fingerprint, EntryKind.PATCH, chunk.id, variant)
 
-    @staticmethod
-    def _variant(stored: StoredPatch) -> str:
-        return f"{stored.kind}:{antecedent_signature(stored.antecedent)}:r{stored.patch.rank}"
+    def _variant(self, stored: StoredPatch) -> str:
+        return f"{stored.kind}:{antecedent_signature(stored.antecedent)}:r{stored.patch.rank}:a{self.anchor}"
 
     def save_patch(self, chunk: Chunk, stored: StoredPatch) -> None:
         variant = self._variant(stored)
@@ -68,16 +68,22 @@ class Persistence:
             "orderings": str(stored.orderings),
         }
         self.store.put(StoreEntry(self._patch_key(chunk, variant), stored.patch.tensors(), meta))
-        index = self.store.get(self._patch_key(chunk, _INDEX))
+        index = self.store.get(self._patch_key(chunk, self._index_variant))
         variants = json.loads(index.meta["variants"]) if index is not None else []
         if variant not in variants:
             variants.append(variant)
             # the index carries no tensor data of its own; safetensors needs one tensor
             marker = {"n": stored.patch.k_u.new_tensor([len(variants)])}
-            self.store.put(StoreEntry(self._patch_key(chunk, _INDEX), marker, {"variants": json.dumps(variants)}))
+            self.store.put(
+                StoreEntry(self._patch_key(chunk, self._index_variant), marker, {"variants": json.dumps(variants)})
+            )
+
+    @property
+    def _index_variant(self) -> str:
+        return f"{_INDEX}:a{self.anchor}"
 
     def load_patches(self, chunk: Chunk) -> list[StoredPatch]:
-        index = self.store.get(self._patch_key(chunk, _INDEX))
+        index = self.store.get(self._patch_key(chunk, self._index_variant))
         if index is None:
             return []
         out = []

@@ -25,10 +25,16 @@ from .base import ReusePolicy, WindowView, register_policy
 _KIND_RANK = {"orbit": 0, "fresh": 1, "exact": 2}
 
 
-def _dropped_front(formed_on: Antecedent, current: Antecedent) -> bool:
-    """``current`` is ``formed_on`` with a leading run removed (what a slide does)."""
+def _dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
+    """``current`` is ``formed_on`` with one contiguous run removed: the oldest chunks (a slide), or a run
+    behind an unchanged head (a conversation trimmed behind its kept system message)."""
     k = len(formed_on) - len(current)
-    return k > 0 and formed_on[k:] == current
+    if k <= 0:
+        return False
+    head = 0
+    while head < len(current) and formed_on[head] == current[head]:
+        head += 1
+    return formed_on[head + k :] == current[head:]
 
 
 @register_policy
@@ -53,7 +59,7 @@ class KameraPolicy(ReusePolicy):
             formed = slot.antecedent or ()
             if formed == ante and not stale:
                 return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
-            if _dropped_front(formed, ante) and not stale:
+            if _dropped_run(formed, ante) and not stale:
                 return SlotPlan(
                     chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
                 )

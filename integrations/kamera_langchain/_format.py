@@ -1,0 +1,91 @@
+"""How one chat message becomes one chunk of text, derived from the tokenizer's chat template.
+
+A chat transcript is a run of self-contained turns (``<|im_start|>user\\n...<|im_end|>\\n`` for ChatML),
+so each turn can be its own position-free chunk: reusable wherever it lands in the window. This module
+reads the per-role markers off the template by rendering sentinel messages and taking differences, so
+any template that renders a message independently of its neighbours works; others fall back to a plain
+``Role: text`` format. No langchain import here: the mapping is usable by other adapters too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_A = "\x1fKAMERA_SENTINEL_A\x1f"
+_B = "\x1fKAMERA_SENTINEL_B\x1f"
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """Per-role turn markers plus the two fixed pieces around the window.
+
+    ``anchor``: text in front of every window (the template's BOS and default system turn), the
+    window's fixed anchor. ``generation``: the assistant header that the reply follows (the prompt).
+    ``markers``: role -> (header, footer) of one turn.
+    """
+
+    anchor: str
+    generation: str
+    markers: dict[str, tuple[str, str]] = field(default_factory=dict)
+    source: str = "template"  # "template" or "plain" (no usable chat template)
+
+    def render(self, role: str, content: str) -> str:
+        """One turn as chunk text. A role the template does not render is sent as a tagged user turn."""
+        if role in self.markers:
+            header, footer = self.markers[role]
+            return f"{header}{content}{footer}"
+        header, footer = self.markers["user"]
+        return f"{header}[{role}] {content}{footer}"
+
+    @classmethod
+    def plain(cls, bos: str = "") -> ChatFormat:
+        """``Role: text`` turns for tokenizers without a chat template."""
+        markers = {role: (f"{role.capitalize()}: ", "\n\n") for role in ROLES}
+        return cls(anchor=bos, generation="Assistant:", markers=markers, source="plain")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> ChatFormat:
+        """Derive the format from ``tokenizer.chat_template`` (plain format when it has none or it cannot
+        render a turn on its own)."""
+        bos = getattr(tokenizer, "bos_token", None) or ""
+        if not getattr(tokenizer, "chat_template", None):
+            return cls.plain(bos)
+
+        def render(messages: list[dict[str, str]], gen: bool = False) -> str:
+            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen))
+
+        try:
+            markers = _markers(render)
+            first_user = render([{"role": "user", "content": _B}]).partition(_B)[0]
+            user_header = markers["user"][0]
+            base = render([{"role": "user", "content": _A}])
+            generation = render([{"role": "user", "content": _A}], gen=True)
+        except Exception:  # a template that raises on sentinel messages: any error means "not usable"
+            return cls.plain(bos)
+        if not first_user.endswith(user_header) or not generation.startswith(base):
+            return cls.plain(bos)
+        return cls(
+            anchor=first_user[: len(first_user) - len(user_header)], generation=generation[len(base) :], markers=markers
+        )
+
+
+def _markers(render: Callable[..., str]) -> dict[str, tuple[str, str]]:
+    """role -> (header, footer): the difference a turn of that role makes after a user turn."""
+    base = render([{"role": "user", "content": _A}])
+    out: dict[str, tuple[str, str]] = {}
+    for role in ROLES:
+        try:
+            full = render([{"role": "user", "content": _A}, {"role": role, "content": _B}])
+        except Exception:  # the template refuses this role here (e.g. strict alternation)
+            continue
+        if not full.startswith(base):
+            continue
+        header, sep, footer = full[len(base) :].partition(_B)
+        if sep:
+            out[role] = (header, footer)
+    if "user" not in out:
+        raise ValueError("the chat template does not render a user turn on its own")
+    return out

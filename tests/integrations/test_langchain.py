@@ -1,0 +1,228 @@
+"""ChatKamera mechanics on a tiny random model with the default model's tokenizer (fast): how message lists
+become window operations, sessions, metadata, rendering and the refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage, trim_messages
+
+from kamera_engine.default_model import ensure_converted
+from kamera_langchain import ChatFormat, ChatKamera, ImageInputError
+from kamera_langchain._messages import message_text
+from kamera_sdk import Engine, InvalidInputError, KameraError
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The default model's tokenizer alone (no weights loaded)."""
+    return T.AutoTokenizer.from_pretrained(str(ensure_converted()))
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer: Any) -> Engine:
+    """A 2-layer random Llama over the real vocabulary and chat template."""
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+    )
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    return Engine(model.eval(), tokenizer, name="tiny-llama-chat")
+
+
+def chat(tiny: Engine, **kw: Any) -> ChatKamera:
+    return ChatKamera(engine=tiny, max_tokens=3, **kw)
+
+
+def ops(reply: BaseMessage) -> dict[str, Any]:
+    return reply.response_metadata["kamera"]["window_ops"]
+
+
+SYS = SystemMessage("You answer in one word.")
+
+
+def turns(n: int) -> list[BaseMessage]:
+    out: list[BaseMessage] = []
+    for i in range(n):
+        out += [HumanMessage(f"question {i}: what is {i} plus {i}?"), AIMessage(f"{2 * i}")]
+    return out
+
+
+# --- rendering -------------------------------------------------------------------------------------
+def test_format_is_read_off_the_chat_template(tokenizer: Any) -> None:
+    fmt = ChatFormat.from_tokenizer(tokenizer)
+    assert fmt.source == "template"
+    assert fmt.anchor.startswith("<|im_start|>system\n") and fmt.anchor.endswith("<|im_end|>\n")
+    assert fmt.generation == "<|im_start|>assistant\n"
+    assert fmt.render("user", "hi") == "<|im_start|>user\nhi<|im_end|>\n"
+    # anchor + turns + generation prompt is exactly what the template renders for the same chat
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    ours = fmt.anchor + "".join(fmt.render(m["role"], m["content"]) for m in msgs) + fmt.generation
+    assert ours == tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+class _StrictTemplate:
+    """A tokenizer stub whose template renders only system/user/assistant turns."""
+
+    chat_template = "stub"
+    bos_token = "<s>"
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+        out = "<s>"
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError("roles must alternate")
+            out += f"[{m['role'].upper()}]{m['content']}[/{m['role'].upper()}]"
+        return out + ("[ASSISTANT]" if add_generation_prompt else "")
+
+
+def test_format_falls_back_per_role_and_without_template() -> None:
+    fmt = ChatFormat.from_tokenizer(_StrictTemplate())
+    assert fmt.anchor == "<s>" and fmt.generation == "[ASSISTANT]"
+    assert fmt.render("tool", "42") == "[USER][tool] 42[/USER]"
+
+    class NoTemplate:
+        chat_template = None
+        bos_token = "<s>"
+
+    plain = ChatFormat.from_tokenizer(NoTemplate())
+    assert plain.source == "plain" and plain.render("user", "hi") == "User: hi\n\n"
+
+
+def test_tool_calls_and_results_are_text() -> None:
+    ai = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}])
+    assert message_text(ai) == '<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>'
+    assert message_text(ToolMessage("3", tool_call_id="c1")) == "3"
+    parts = HumanMessage(content=[{"type": "text", "text": "a"}, "b"])
+    assert message_text(parts) == "ab"
+
+
+def test_image_parts_are_refused_not_dropped(tiny: Engine) -> None:
+    llm = chat(tiny)
+    img = HumanMessage(
+        content=[{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    )
+    with pytest.raises(ImageInputError, match="vision-language") as err:
+        llm.invoke([img])
+    assert isinstance(err.value, KameraError) and isinstance(err.value, NotImplementedError)
+    assert llm.window().chunks == []  # nothing changed
+    with pytest.raises(InvalidInputError, match="audio"):
+        llm.invoke([HumanMessage(content=[{"type": "audio", "url": "x"}])])
+
+
+# --- message lists -> window operations ------------------------------------------------------------
+def test_growing_history_reuses_every_earlier_message(tiny: Engine) -> None:
+    llm = chat(tiny)
+    first = llm.invoke([SYS, HumanMessage("hello")])
+    assert ops(first)["added"] == 2
+    history = [SYS, HumanMessage("hello"), first, HumanMessage("again")]
+    second = llm.invoke(history)
+    assert ops(second) == {"added": 2, "recalled": 0, "reused": 2, "slid": 0, "evicted": 0, "reordered": False}
+    win = llm.window()
+    assert [win.chunk(c).text for c in win.chunks] == llm.render(history)
+    # only the two new messages were prefilled; the system message and "hello" were served from the window
+    new_tokens = sum(len(tiny.tokenize(t)) for t in llm.render(history[2:]))
+    assert second.response_metadata["kamera"]["tokens_prefilled"] == new_tokens
+
+
+def test_trimming_slides_or_evicts_never_recomputes(tiny: Engine) -> None:
+    llm = chat(tiny)
+    history = [*turns(4), HumanMessage("last")]
+    llm.invoke(history)
+    slid = llm.invoke(history[2:])  # oldest pair trimmed, no system message: a slide
+    assert ops(slid)["slid"] == 2 and ops(slid)["added"] == 0
+    assert slid.response_metadata["kamera"]["tokens_prefilled"] == 0
+
+    llm2 = chat(tiny)
+    history = [SYS, *turns(4), HumanMessage("last")]
+    llm2.invoke(history)
+    kept = trim_messages(
+        history, max_tokens=60, token_counter=llm2, strategy="last", include_system=True, start_on="human"
+    )
+    assert kept[0] is SYS and len(kept) < len(history)
+    reply = llm2.invoke(kept)  # trimmed behind the system message: evictions
+    assert ops(reply)["evicted"] == len(history) - len(kept) and ops(reply)["added"] == 0
+    assert reply.response_metadata["kamera"]["tokens_prefilled"] == 0
+    assert llm2.window().tokens == llm2.get_num_tokens_from_messages(kept)
+
+
+def test_reorder_recall_and_duplicates(tiny: Engine) -> None:
+    llm = chat(tiny)
+    a, b, c = HumanMessage("alpha"), HumanMessage("beta"), HumanMessage("gamma")
+    llm.invoke([a, b, c])
+    ids = llm.window().chunks
+    reply = llm.invoke([c, a, b])
+    assert ops(reply)["reordered"] and llm.window().chunks == [ids[2], ids[0], ids[1]]
+    llm.invoke([a, c])
+    back = llm.invoke([a, b, c])  # b was evicted: recalled, not re-added
+    assert ops(back)["recalled"] == 1 and ops(back)["added"] == 0
+    assert llm.window().chunks == ids
+
+    dup = [HumanMessage("ok"), AIMessage("fine"), HumanMessage("ok")]
+    llm.invoke(dup)
+    win = llm.window()
+    assert len(win.chunks) == 3 and len(set(win.chunks)) == 3
+    assert win.chunk(win.chunks[0]).token_ids == win.chunk(win.chunks[2]).token_ids
+    assert ops(llm.invoke(dup)) == {"added": 0, "recalled": 0, "reused": 3, "slid": 0, "evicted": 0, "reordered": False}
+
+
+def test_sessions_are_separate_windows(tiny: Engine) -> None:
+    llm = chat(tiny)
+    llm.invoke([HumanMessage("one")], session_id="a")
+    llm.invoke([HumanMessage("two")], config={"metadata": {"thread_id": "b"}})
+    llm.invoke([HumanMessage("three")])
+    assert sorted(llm.sessions) == ["a", "b", "default"]
+    assert all(len(llm.window(s)) == 1 for s in llm.sessions)
+    assert llm.window("a").chunks != llm.window("b").chunks
+    llm.reset("a")
+    assert sorted(llm.sessions) == ["b", "default"]
+
+
+def test_usage_metadata_and_stream_agree(tiny: Engine) -> None:
+    llm = chat(tiny, policy="recompute")
+    history = [SYS, HumanMessage("hi there")]
+    reply = llm.invoke(history)
+    usage = reply.usage_metadata
+    assert usage is not None
+    win = llm.window()
+    prompt = len(tiny.tokenize("<|im_start|>assistant\n"))
+    assert usage["input_tokens"] == len(win.engine.anchor_ids) + win.tokens + prompt
+    assert 0 < usage["output_tokens"] <= 3 + 1  # re-tokenised text may differ by a token
+    assert reply.response_metadata["finish_reason"] in ("stop", "length")
+    assert reply.response_metadata["kamera"]["tokens_prefilled"] == win.tokens  # recompute: all of it
+
+    chunks = list(llm.stream(history, session_id="fresh"))  # same work on a new window
+    assert "".join(str(c.content) for c in chunks) == reply.content
+    assert chunks[-1].chunk_position == "last" and chunks[-1].usage_metadata is not None
+    total = chunks[0]
+    for c in chunks[1:]:
+        total += c
+    assert total.usage_metadata == usage
+
+
+def test_bad_arguments(tiny: Engine) -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        ChatKamera(engine=tiny, policy="nope")
+    with pytest.raises(InvalidInputError, match="unsupported call arguments"):
+        chat(tiny).invoke("hi", tools=[{"name": "x"}])
+    with pytest.raises(InvalidInputError, match="at least one message"):
+        chat(tiny).invoke([])
+
+
+def test_token_budget_slides_inside_a_call(tiny: Engine) -> None:
+    llm = chat(tiny, budget_tokens=40)
+    history = [*turns(5), HumanMessage("and now?")]
+    reply = llm.invoke(history)
+    win = llm.window()
+    assert win.tokens <= 40 and win.evicted
+    assert win.chunk(win.chunks[-1]).text == llm.render(history[-1:])[0]
+    assert reply.usage_metadata is not None
