@@ -133,7 +133,9 @@ def _top_factors(delta: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[to
     m = min(rank, mat.shape[1], mat.shape[2])
     gram = mat.transpose(1, 2) @ mat  # (Lp, F, F)
     full = m >= min(mat.shape[1], mat.shape[2])
-    _, vecs = torch.linalg.eigh(gram if full else gram.to(torch.float32))  # ascending eigenvalues
+    g = gram if full else gram.to(torch.float32)
+    # one small eigh per layer: batched eigh on CPU can stall badly under thread contention
+    vecs = torch.stack([torch.linalg.eigh(g[i])[1] for i in range(g.shape[0])])  # ascending eigenvalues
     v = vecs[..., -m:].flip(-1).to(torch.float64)  # (Lp, F, m), largest first
     us = mat @ v  # (Lp, T, m)
     return us.to(dtype).contiguous(), v.transpose(1, 2).to(dtype).contiguous()
