@@ -185,6 +185,7 @@ class ContextWindow:
         if self.policy.needs_canonical:
             self._executor.canonical(entry)  # written at arrival
         self._slots.append(Slot(entry.id))
+        self._pin(entry.id)
         self._changed("add")
         self._enforce_budget()
         return entry.id
@@ -197,6 +198,7 @@ class ContextWindow:
             return cid
         self._stats.canonicals_reused += 1
         self._slots.append(Slot(cid))
+        self._pin(cid)
         self._changed("add")
         self._enforce_budget()
         return cid
@@ -208,6 +210,7 @@ class ContextWindow:
         t0 = time.perf_counter()
         self._flush([self._slots[idx]])
         self._slots.pop(idx)
+        self._unpin(chunk_id)
         self._evicted.append(chunk_id)
         self._changed("evict", t0)
 
@@ -226,6 +229,7 @@ class ContextWindow:
         t0 = time.perf_counter()
         self._evicted.remove(chunk_id)
         self._slots.insert(pos, Slot(chunk_id))
+        self._pin(chunk_id)
         self._mark_dependents(chunk_id)
         self._changed("recall", t0)
         self._enforce_budget()
@@ -238,6 +242,8 @@ class ContextWindow:
         gone = [s.chunk_id for s in self._slots[:n]]
         self._flush(self._slots[:n])
         del self._slots[:n]
+        for cid in gone:
+            self._unpin(cid)
         self._evicted.extend(gone)
         self._changed("slide", t0)
         return gone
@@ -285,6 +291,8 @@ class ContextWindow:
         child._version = 0
         child._cache = None
         child._last_execution = None
+        for cid in child.chunks:
+            child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
         child._executor = Executor(self.engine, self._table, self.config, child._stats, self._persistence)
         self._stats.time("fork", 0.0)
         return child
@@ -490,6 +498,16 @@ class ContextWindow:
             self._slots[i] = replace(slot, pending=None)
             formed += 1
         return formed
+
+    def _pin(self, chunk_id: ChunkId) -> None:
+        """Chunks in a live window (or fork) are never evicted from the store's memory tier."""
+        if self._persistence is not None:
+            self.store.pin(self._persistence.canonical_key(self._table.get(chunk_id)))  # type: ignore[union-attr]
+
+    def _unpin(self, chunk_id: ChunkId) -> None:
+        if self._persistence is not None:
+            key = self._persistence.canonical_key(self._table.get(chunk_id))
+            self.store.unpin(key)  # type: ignore[union-attr]
 
     def _flush_stale(self) -> None:
         """Stale slots (a chunk they absorbed was recalled) may be served from their own pending patch."""

@@ -82,3 +82,19 @@ def test_another_models_entries_are_never_served(tmp_path: Path) -> None:
     other = ContextWindow(tiny_engine("llama", seed=24), policy="blind", store=tmp_path / "s")
     other.add(ids)
     assert other.stats().canonicals_computed == 1  # a different fingerprint is a different key
+
+
+def test_chunks_in_a_live_window_or_fork_are_pinned(tmp_path: Path) -> None:
+    engine = tiny_engine("llama", seed=25)
+    win = ContextWindow(engine, policy="blind", store=tmp_path / "s")
+    a = win.add(random_ids(8, seed=910))
+    b = win.add(random_ids(8, seed=911))
+    key = win._persistence.canonical_key(win.chunk(a))
+    assert win.store.memory.pins(key) == 1
+    child = win.fork()
+    assert win.store.memory.pins(key) == 2
+    child.slide(1)
+    assert win.store.memory.pins(key) == 1
+    win.evict(a)
+    assert win.store.memory.pins(key) == 0
+    assert win.store.memory.pins(win._persistence.canonical_key(win.chunk(b))) == 2
