@@ -106,7 +106,6 @@ def test_worker_runs_in_order_and_closes_iterators() -> None:
 def test_shutdown_flushes_a_given_store_without_closing_it() -> None:
     from kamera_sdk.server.app import ServerState
     from kamera_sdk.server.ops import Limits
-
     from kamera_sdk.store import ChunkStore
 
     class Store(ChunkStore):
