@@ -75,3 +75,38 @@ __all__ = [
     "UnsupportedModelError",
     "WindowOperationError",
 ]
+
+
+# --- media inputs (images, video, URLs) -----------------------------------------------------------
+class ImageDecodeError(MediaError):
+    """The bytes are not an image PIL can decode (or a video PyAV can decode)."""
+
+
+class MediaTooLargeError(MediaError):
+    """A download, file or image exceeds the configured size limit."""
+
+
+class MediaTypeError(MediaError):
+    """A URL answered with a content type that is not an image."""
+
+
+class RedirectError(MediaError):
+    """A URL redirected in a loop or more often than allowed."""
+
+
+class UnsupportedSchemeError(MediaError):
+    """A URL whose scheme is not http or https."""
+
+
+class MediaFetchError(MediaError):
+    """A URL could not be fetched (connection error, timeout, HTTP error status)."""
+
+
+__all__ += [
+    "ImageDecodeError",
+    "MediaFetchError",
+    "MediaTooLargeError",
+    "MediaTypeError",
+    "RedirectError",
+    "UnsupportedSchemeError",
+]
