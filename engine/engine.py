@@ -27,7 +27,7 @@ from .fingerprint import model_fingerprint
 from .kv import KV
 from .operator import Patch
 from .rope import RopeSpec
-from .runner import ForwardResult, run_forward
+from .runner import ForwardResult, Prefilled, run_forward
 
 _SENTINEL = "\u2063KAMERA\u2063"
 
@@ -283,13 +283,25 @@ class Engine:
             params.eos_token_ids = self.eos_token_ids
         return decode_tokens(self.model, res.cache, res.logits[-1], start + len(prompt_ids), params)
 
+    def continue_ids(self, prompt: Prefilled, params: SamplingParams) -> Iterator[int]:
+        """Decode on from a prompt that was already prefilled (see ``ForwardResult.prefilled``)."""
+        if not params.eos_token_ids:
+            params.eos_token_ids = self.eos_token_ids
+        return decode_tokens(self.model, prompt.cache(self.model.config), prompt.logits, prompt.next_position, params)
+
     def generate(self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[str]:
         """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""
         if self.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; use generate_ids")
+        return self.stream(self.generate_ids(past, prompt_ids, start, params), params)
+
+    def stream(self, token_ids: Iterator[int], params: SamplingParams) -> Iterator[str]:
+        """Text pieces of a token stream (stop strings applied)."""
+        if self.tokenizer is None:
+            raise InvalidInputError("this engine has no tokenizer; use generate_ids")
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
-        return stream_text(self.generate_ids(past, prompt_ids, start, params), self.tokenizer, params)
+        return stream_text(token_ids, self.tokenizer, params)
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from .errors import InvalidInputError
 from .kv import KV, to_cache
@@ -22,7 +23,31 @@ class ForwardResult:
 
     kv: KV  # (L, T_new, H, D), positions = the new tokens' positions
     logits: torch.Tensor  # (T_new, vocab) or (1, vocab) when only the last was asked for
-    cache: object  # the transformers cache after the forward (past + new), for decoding on
+    cache: DynamicCache  # the transformers cache after the forward (past + new), for decoding on
+
+    def prefilled(self, next_position: int) -> Prefilled:
+        """A reusable snapshot of this forward for decoding on (shares tensors; nothing is copied)."""
+        layers = [(layer.keys, layer.values) for layer in self.cache.layers]
+        return Prefilled(self.logits[-1], layers, next_position)
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prefilled prompt that decoding can start from, any number of times.
+
+    Decoding grows a transformers cache by concatenation, which builds new tensors, so the snapshot's
+    per-layer tensors stay as they were and every ``cache()`` starts from the same state.
+    """
+
+    logits: torch.Tensor  # (vocab,) next-token logits after the prompt
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, H, T, D) keys and values
+    next_position: int
+
+    def cache(self, config: object) -> DynamicCache:
+        cache = DynamicCache(config=config)
+        for i, (k, v) in enumerate(self.layers):
+            cache.update(k, v, i)
+        return cache
 
 
 @torch.inference_mode()

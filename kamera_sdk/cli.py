@@ -110,8 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", parents=[common], help="a short agent session: slide, reorder, recall vs recompute/prefix"
     )
     demo.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", parents=[common], help="run a benchmark (operator, window, ...)")
-    bench.add_argument("name", help="which benchmark: operator, window")
+    bench = sub.add_parser(
+        "bench", parents=[common], help="run a benchmark: operator, window, compare or store (JSON with --json)"
+    )
+    bench.add_argument(
+        "name",
+        help="operator (relocation error, eta vs rank, speed), window (agent trace per policy), "
+        "compare (reuse and compression policies side by side), store (load vs recompute per tier)",
+    )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser("doctor", parents=[common], help="versions, device, attention backend, default model")
     doctor.set_defaults(func=cmd_doctor)

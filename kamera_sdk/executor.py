@@ -1,8 +1,10 @@
 """Execute a plan: turn each slot's source into placed KV and assemble the window.
 
 Consecutive FORWARD slots share one forward pass over their tokens on top of everything assembled in
-front of them; that forward is also where patches for later reuse are formed. Every other source is a
-rotation plus at most one rank-m GEMM.
+front of them; that forward is also where patches for later reuse are formed. When the plan ends with
+such a run and the caller passes the prompt, the prompt rides in the same forward (one pass instead of
+two: causal attention makes the chunks' KV identical either way). Every other source is a rotation plus
+at most one rank-m GEMM.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kamera_engine import KV, Engine
+from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
 
 from .chunks import Chunk, ChunkTable, StoredPatch
@@ -31,6 +34,7 @@ class Execution:
     assembled: KV  # anchor + every slot, placed
     placed: list[KV]  # per slot, placed
     slots: list[Slot]  # new slot states (conditioned KV kept position-free when the policy keeps it)
+    prompt: ForwardResult | None = None  # the prompt's forward, when it rode in the plan's trailing forward
 
 
 class Executor:
@@ -71,8 +75,20 @@ class Executor:
         self.stats.time("canonical", time.perf_counter() - t0)
         return kv
 
-    def run(self, plan: Plan, slots: list[Slot], keep_slot_kv: bool, graph: DependencyGraph, step: int) -> Execution:
+    def run(
+        self,
+        plan: Plan,
+        slots: list[Slot],
+        keep_slot_kv: bool,
+        graph: DependencyGraph,
+        step: int,
+        prompt: list[int] | None = None,
+    ) -> Execution:
+        """Assemble the window. ``prompt``: token ids to prefill in the trailing forward run, if the plan
+        ends with one (``Execution.prompt`` then holds that forward; otherwise it is None)."""
         e = self.engine
+        fuse = prompt is not None and plan.recompute is None
+        prompt_result: ForwardResult | None = None
         if self.persistence is not None:  # loads overlap with the forwards below
             self.persistence.prefetch([sp.chunk for sp in plan.slots if sp.source not in (Source.FORWARD, Source.KEEP)])
         parts: list[KV] = [e.anchor_kv]
@@ -86,7 +102,9 @@ class Executor:
                 while j < len(plan.slots) and plan.slots[j].source is Source.FORWARD:
                     j += 1
                 run = plan.slots[i:j]
-                for k, kv in enumerate(self._forward_run(run, parts)):
+                tail = prompt if fuse and j == len(plan.slots) else None
+                kvs, prompt_result = self._forward_run(run, parts, tail)
+                for k, kv in enumerate(kvs):
                     parts.append(kv)
                     placed.append(kv)
                     new_slots.append(self._after(run[k], slots[i + k], kv, keep_slot_kv, graph, step, formed=True))
@@ -102,7 +120,7 @@ class Executor:
             assembled, placed = self._selective(plan, assembled)
         self.stats.window_kv_bytes = assembled.nbytes
         self.stats.window_tokens = len(assembled)
-        return Execution(assembled, placed, new_slots)
+        return Execution(assembled, placed, new_slots, prompt_result)
 
     def _serve(self, sp: SlotPlan, slot: Slot) -> tuple[KV, KV | None]:
         """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot."""
@@ -150,12 +168,15 @@ class Executor:
         placed = [res.kv.slice(sp.start, sp.start + len(sp.chunk)) for sp in plan.slots]
         return res.kv, placed
 
-    def _forward_run(self, run: list[SlotPlan], parts: list[KV]) -> list[KV]:
-        """One forward over a run of slots on top of everything assembled so far."""
+    def _forward_run(
+        self, run: list[SlotPlan], parts: list[KV], prompt: list[int] | None
+    ) -> tuple[list[KV], ForwardResult | None]:
+        """One forward over a run of slots (and the prompt behind them, if given) on top of everything
+        assembled so far. Returns each slot's placed KV, and the forward itself when the prompt rode in it."""
         ids = [t for sp in run for t in sp.chunk.token_ids]
         past = KV.cat(parts)
         t0 = time.perf_counter()
-        res = self.engine.forward(ids, past, run[0].start, logits="none")
+        res = self.engine.forward(ids + (prompt or []), past, run[0].start, logits="none" if prompt is None else "last")
         self.stats.time("forward", time.perf_counter() - t0)
         self.stats.forwards += 1
         self.stats.tokens_prefilled += len(ids)
@@ -163,7 +184,7 @@ class Executor:
         for sp in run:
             out.append(res.kv.slice(at, at + len(sp.chunk)).clone())
             at += len(sp.chunk)
-        return out
+        return out, (res if prompt is not None else None)
 
     def _after(
         self,

@@ -28,6 +28,7 @@ from kamera_engine import (
     WindowOperationError,
 )
 from kamera_engine.decode import stream_text
+from kamera_engine.runner import Prefilled
 
 from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, StoredPatch, content_id
 from .compress import CompressionPolicy, make_compressor
@@ -97,6 +98,8 @@ class ContextWindow:
         self._version = 0
         self._cache: tuple[int, Plan, KV] | None = None
         self._last_execution: Execution | None = None
+        # (version, prompt ids, prefill) of the last prompt that rode in the window's trailing forward
+        self._prompt_memo: tuple[int, tuple[int, ...], Prefilled] | None = None
         self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
         self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
 
@@ -291,6 +294,7 @@ class ContextWindow:
         child._version = 0
         child._cache = None
         child._last_execution = None
+        child._prompt_memo = None
         for cid in child.chunks:
             child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
         child._executor = Executor(self.engine, self._table, self.config, child._stats, self._persistence)
@@ -310,11 +314,15 @@ class ContextWindow:
 
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
-        plan, past = self._materialise()
         ids = self._prompt_ids(prompt)
+        plan, past, fused = self._materialise(ids)
         t0 = time.perf_counter()
-        lp = self.engine.next_token_logprobs(past, ids, plan.end)
-        self._count_prompt(ids, t0)
+        memo = self._prefilled(ids)
+        if memo is not None:  # the prompt rode in the window's trailing forward (now or at an earlier call)
+            lp = torch.log_softmax(memo.logits.float(), dim=-1).cpu()
+        else:
+            lp = self.engine.next_token_logprobs(past, ids, plan.end)
+        self._count_prompt(ids, t0, own_forward=memo is None and not fused)
         return lp
 
     @overload
@@ -358,17 +366,20 @@ class ContextWindow:
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop or ()), seed=seed
         )
         params.validate()
-        plan, past = self._materialise()
         ids = self._prompt_ids(prompt)
+        plan, past, fused = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
-        if self.compressor is not None:
+        memo = self._prefilled(ids) if self.compressor is None else None
+        if memo is not None:
+            pieces = self.engine.stream(self.engine.continue_ids(memo, params), params)
+        elif self.compressor is not None:
             tokens = decode_compressed(self.engine, self.compress_window(ids), self.compressor, params)
             if self.engine.tokenizer is None:
                 raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
             pieces = stream_text(tokens, self.engine.tokenizer, params)
         else:
             pieces = self.engine.generate(past, ids, plan.end, params)
-        self._count_prompt(ids, t0)
+        self._count_prompt(ids, t0, own_forward=memo is None and not fused)
         return pieces if stream else "".join(pieces)
 
     def compress_window(self, prompt: str | Sequence[int]) -> Compressed:
@@ -376,8 +387,8 @@ class ContextWindow:
         policy (the assembled window itself is left intact). Returns the compressed cache for decoding."""
         if self.compressor is None:
             raise WindowOperationError("this window has no compression policy (pass compress=...)")
-        plan, past = self._materialise()
         ids = self._prompt_ids(prompt)
+        plan, past, _ = self._materialise()
         window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
         vision = torch.tensor(
             [False] * plan.anchor_len + [sp.chunk.kind in VISION_KINDS for sp in plan.slots for _ in sp.chunk.token_ids]
@@ -399,7 +410,7 @@ class ContextWindow:
             raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
         idx = self._index(chunk_id)
         ids = self._prompt_ids(prompt)
-        plan, past = self._materialise()
+        plan, past, _ = self._materialise()
         execution = self._last_execution
         assert execution is not None
         parts = [self.engine.anchor_kv]
@@ -534,8 +545,8 @@ class ContextWindow:
             raise InvalidInputError("prompt must not be empty")
         return ids
 
-    def _count_prompt(self, ids: list[int], t0: float) -> None:
-        self._stats.forwards += 1
+    def _count_prompt(self, ids: list[int], t0: float, *, own_forward: bool = True) -> None:
+        self._stats.forwards += own_forward  # a prompt fused into the window's forward ran no pass of its own
         self._stats.prompt_tokens += len(ids)
         self._stats.time("prompt", time.perf_counter() - t0)
 
@@ -556,16 +567,28 @@ class ContextWindow:
         while budget is not None and len(self._slots) > 1 and self.tokens > budget:
             self.slide(1)
 
-    def _materialise(self) -> tuple[Plan, KV]:
+    def _prefilled(self, ids: list[int]) -> Prefilled | None:
+        """The prompt's prefill from the window's trailing forward, if it is this prompt on this window."""
+        memo = self._prompt_memo
+        if memo is None or memo[0] != self._version or memo[1] != tuple(ids):
+            return None
+        return memo[2]
+
+    def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, KV, bool]:
+        """Plan and assemble the window (cached until the next change). ``prompt``: prefill it in the
+        plan's trailing forward when there is one (kept for ``_prefilled``); the third item says whether
+        it was."""
         if not self._slots:
             raise WindowOperationError("the window is empty: add a chunk first")
         if self._cache is not None and self._cache[0] == self._version:
-            return self._cache[1], self._cache[2]
+            return self._cache[1], self._cache[2], False
         t0 = time.perf_counter()
         self._flush_stale()
         plan = self.policy.plan(self._view())
         stale_before = {s.chunk_id for s in self._slots if self._graph.is_stale(s.chunk_id)}
-        execution: Execution = self._executor.run(plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step)
+        execution: Execution = self._executor.run(
+            plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step, prompt
+        )
         self._stats.cascade_rematerialised += sum(
             1 for sp in plan.slots if sp.chunk.id in stale_before and sp.source in (Source.FORWARD, Source.PATCH)
         )
@@ -582,7 +605,10 @@ class ContextWindow:
         self._cache = (self._version, plan, execution.assembled)
         self._stats.time("materialise", time.perf_counter() - t0)
         self._log_plan(plan)
-        return plan, execution.assembled
+        self._prompt_memo = None
+        if execution.prompt is not None and prompt is not None:
+            self._prompt_memo = (self._version, tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))
+        return plan, execution.assembled, execution.prompt is not None
 
     def _log_plan(self, plan: Plan) -> None:
         self._stats.log(Decision(step=self._step, chunk="*", source="plan", reason=plan.summary()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kamera_engine import KV
+from kamera_engine import SamplingParams
 from kamera_sdk import (
     ChunkNotFoundError,
     ContextWindow,
@@ -26,9 +26,9 @@ def engine():
 
 def _reprefill_logprobs(engine, win: ContextWindow) -> torch.Tensor:
     ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    kv = engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="none").kv
-    past = KV.cat([engine.anchor_kv, kv])
-    return engine.next_token_logprobs(past, PROMPT, len(past))
+    # re-prefill as a serving engine does it: the window and the prompt in one forward after the anchor
+    res = engine.forward(ids + PROMPT, engine.anchor_kv, len(ANCHOR), logits="last")
+    return torch.log_softmax(res.logits[-1].float(), dim=-1)
 
 
 def _filled(engine, policy: str = "kamera", n: int = 4, **kw) -> tuple[ContextWindow, list[str]]:
@@ -230,3 +230,23 @@ def test_unknown_policy_and_empty_window_errors(engine) -> None:
         ContextWindow(engine, policy="magic")
     with pytest.raises(WindowOperationError, match="empty"):
         ContextWindow(engine).next_token_logprobs(PROMPT)
+
+
+def test_prompt_rides_in_the_trailing_forward(engine) -> None:
+    win, _ = _filled(engine)
+    before = win.stats().forwards
+    lp = win.next_token_logprobs(PROMPT)
+    st = win.stats()
+    assert st.forwards - before == 1  # the new chunks and the prompt: one pass
+    assert st.prompt_tokens == len(PROMPT)
+    plan, past, _ = win._materialise()
+    two_pass = engine.next_token_logprobs(past, PROMPT, plan.end)
+    assert (lp - two_pass).abs().max() < 1e-4  # same numbers as prefilling the prompt on the assembled window
+    assert torch.equal(win.next_token_logprobs(PROMPT), lp)  # asking again answers from the same prefill
+    memo = win._prefilled(list(PROMPT))
+    assert memo is not None
+    greedy = SamplingParams(max_new_tokens=6)
+    from_memo = list(engine.continue_ids(memo, greedy))
+    assert from_memo == list(engine.generate_ids(past, PROMPT, plan.end, SamplingParams(max_new_tokens=6)))
+    assert from_memo[0] == int(lp.argmax())
+    assert list(engine.continue_ids(memo, SamplingParams(max_new_tokens=6))) == from_memo  # reusable snapshot

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kamera_engine import KV
 from kamera_sdk import ChunkNotFoundError, ContextWindow, InvalidInputError, Source, WindowOperationError
 from tests.conftest import ANCHOR, random_ids, tiny_engine
 
@@ -24,9 +23,9 @@ ERRORS = (InvalidInputError, WindowOperationError, ChunkNotFoundError)
 
 def reprefill(win: ContextWindow) -> torch.Tensor:
     ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    kv = ENGINE.forward(ids, ENGINE.anchor_kv, len(ANCHOR), logits="none").kv
-    past = KV.cat([ENGINE.anchor_kv, kv])
-    return ENGINE.next_token_logprobs(past, PROMPT, len(past))
+    # re-prefill as a serving engine does it: the window and the prompt in one forward after the anchor
+    res = ENGINE.forward(ids + PROMPT, ENGINE.anchor_kv, len(ANCHOR), logits="last")
+    return torch.log_softmax(res.logits[-1].float(), dim=-1)
 
 
 class WindowMachine(RuleBasedStateMachine):
