@@ -1,4 +1,5 @@
-"""Plots for the docs, drawn from benchmark JSON (``python -m kamera_sdk.bench.plots operator.json docs/img``).
+"""Plots for the docs, drawn from benchmark JSON (``python -m kamera_sdk.bench.plots RESULT.json docs/img``;
+operator, window and compare results are told apart by their keys).
 
 matplotlib is an optional extra (``kamera[plots]``); it is imported lazily.
 """
@@ -83,6 +84,50 @@ def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     return [path]
 
 
+def compare_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """eta vs KV-byte budget per reuse policy, and KL vs KV kept per compression policy."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    mb = result["matched_bytes"]
+    ranks = sorted((k for k in mb if k.isdigit()), key=int)
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    x = [100 * mb[r]["token_fraction"] for r in ranks]
+    styles = {"kamera": ("#369", "o"), "cacheblend": ("#c96", "s"), "mpic": ("#6a6", "^")}
+    for arm, (color, marker) in styles.items():
+        ax.plot(x, [mb[r]["eta"][arm] for r in ranks], marker=marker, color=color, label=arm)
+    for xi, r in zip(x, ranks, strict=True):
+        ax.annotate(f"rank {r}", (xi, mb[r]["eta"]["kamera"]), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.axhline(1.0, color="#999", lw=0.8, ls="--")
+    ax.set_xlabel("KV-byte budget per reused chunk (% of its KV)")
+    ax.set_ylabel("eta (blind -> re-prefill gap closed)")
+    ax.set_title("reuse at matched bytes")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "eta_vs_bytes.png")
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+
+    comp = result["compression"]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for name, color in (("elastic", "#936"), ("david", "#369")):
+        pts = sorted(
+            (v["kv_bytes_fraction"], v["kl_mean"])
+            for k, v in comp.items()
+            if k.startswith(f"{name}@") and isinstance(v, dict)
+        )
+        ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=name)
+    ax.set_xlabel("KV kept (% of the full cache)")
+    ax.set_ylabel("mean next-token KL to the full cache")
+    ax.set_title("compression along the full cache's answer")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "kl_vs_kv_budget.png")
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 2:
@@ -90,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = json.loads(Path(args[0]).read_text())
     out = Path(args[1])
-    paths = operator_plots(result, out) if "eta" in result else window_plot(result, out)
+    if "eta" in result:
+        paths = operator_plots(result, out)
+    elif "matched_bytes" in result:
+        paths = compare_plots(result, out)
+    else:
+        paths = window_plot(result, out)
     for p in paths:
         print(p)
     return 0

@@ -114,6 +114,7 @@ def run_trace(
     wins = {p: ContextWindow(engine, policy=p) for p in policies}
     ids: dict[str, dict[str, str]] = {p: {} for p in policies}
     rows: dict[str, dict[str, list]] = {p: {"ttft": [], "kl": [], "match": [], "ingest": []} for p in policies}
+    per_step: list[dict[str, Any]] = []
     for step in track(trace, "window trace"):
         lps: dict[str, torch.Tensor] = {}
         answers: dict[str, str] = {}
@@ -126,6 +127,15 @@ def run_trace(
         for p in policies:
             rows[p]["kl"].append(kl(lps["recompute"], lps[p]))
             rows[p]["match"].append(answers[p].strip() == answers["recompute"].strip())
+        per_step.append(
+            {
+                "step": step.index,
+                "ops": step.describe(),
+                "ttft_s": {p: rows[p]["ttft"][-1] for p in policies},
+                "kl": {p: rows[p]["kl"][-1] for p in policies},
+                "answer": answers,
+            }
+        )
     result: dict[str, Any] = {}
     for p, win in wins.items():
         st = win.stats()
@@ -143,6 +153,7 @@ def run_trace(
             "survivors_rotated": st.survivors_rotated,
             "kl_max": max(rows[p]["kl"]),
         }
+    result["steps"] = per_step
     if "prefix" in result and "kamera" in result:
         result["kamera_ttft_over_prefix"] = result["kamera"]["ttft_s_mean"] / result["prefix"]["ttft_s_mean"]
     return result
