@@ -1,0 +1,23 @@
+"""Vision-language models: image and video chunks on transformers' own VLM classes.
+
+One file per family (``qwen2_vl.py``, ``llava.py``, ...), each registering a vision family (how images
+become chunk tokens and features) and a model adapter (where RoPE lives). ``VisionEngine`` drives them.
+"""
+
+from . import llava, qwen2_vl  # noqa: F401  (registration)
+from .base import FAMILIES, Features, MediaInput, VisionFamily, family_for, register_family
+from .cache import VisionCache, VisionCacheStats
+from .engine import MediaEntry, VisionEngine
+
+__all__ = [
+    "FAMILIES",
+    "Features",
+    "MediaEntry",
+    "MediaInput",
+    "VisionCache",
+    "VisionCacheStats",
+    "VisionEngine",
+    "VisionFamily",
+    "family_for",
+    "register_family",
+]

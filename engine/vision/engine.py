@@ -1,0 +1,309 @@
+"""``VisionEngine``: the engine for vision-language models, with image and video chunks.
+
+Everything the window does with text chunks (canonical, relocate, patch, forward at explicit positions,
+decode) works unchanged on image chunks, because an image chunk is, to the rest of Kamera, a run of
+token ids like any other:
+
+* **Virtual token ids.** Registering an image gives its placeholder tokens ids beyond the text
+  vocabulary, one per feature row (``base + k``). Chunk ids stay content hashes, concatenating chunks
+  for a forward needs no side channel, and the forward swaps each virtual id for its feature row
+  (text ids go through the embedding table as usual).
+* **Vision embedding cache.** The rows come from :class:`~.cache.VisionCache`, keyed by model
+  fingerprint and image digest: the vision tower runs once per distinct image, at registration.
+* **Positions.** Every token advances the window's linear position by one. A vision token at linear
+  position ``p`` gets, on M-RoPE families, the 3-axis position ``p + delta``, where ``delta`` is its
+  native chunk-relative (t, h, w) offset minus its index in the chunk (the model's own ``get_rope_index``
+  on the chunk alone). Moving a chunk by ``d`` therefore shifts all three axes by ``d``: per rotary
+  frequency that is the 1-D rotation ``d * inv_freq``, so relocation is the text operator unchanged,
+  and a placed key's free frame keeps the chunk-relative 3-axis phase (it is "at linear 0").
+  (The native layout packs the text after an image at ``max(t, h, w) + 1``; here it continues at the
+  chunk's token count, the same for every policy and for re-prefill.)
+* **MLA.** Families whose keys carry RoPE in a trailing band (DeepSeek-V2/V3 attention) set
+  ``rope_offset``; relocation then rotates only that band and the patch covers content and band.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import operator as op
+from ..engine import Engine
+from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
+from ..kv import KV, to_cache
+from ..operator import Patch
+from ..rope import RopeSpec, rotate_keys
+from ..runner import ForwardResult
+from .base import Features, MediaInput, VisionFamily, family_for
+from .cache import VisionCache, tensors_device
+
+
+@dataclass(slots=True)
+class MediaEntry:
+    """A registered image / video segment: its chunk tokens (virtual ids) and where its rows live."""
+
+    digest: str
+    kind: str
+    base: int  # first virtual id
+    rows: int  # feature rows (virtual ids base .. base + rows - 1)
+    token_ids: list[int]  # the chunk's tokens, placeholders replaced by virtual ids
+    cache_key: str
+    deltas: torch.Tensor | None  # (rows, 3) long: 3-axis position minus linear position, per row
+    media: MediaInput  # kept so an entry dropped from every cache tier can be re-encoded
+
+
+class VisionEngine(Engine):
+    """An :class:`Engine` over a transformers VLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        processor: Any,
+        *,
+        name: str | None = None,
+        anchor_ids: Sequence[int] | None = None,
+        attention: str | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        self.family: VisionFamily = family_for(model, processor)
+        self.processor = processor
+        self.vocab_size = self.family.text_vocab_size()
+        self._entries: list[MediaEntry] = []
+        self._bases = torch.empty(0, dtype=torch.long)
+        self._by_digest: dict[tuple[str, str], MediaEntry] = {}
+        super().__init__(model, self.family.tokenizer(), name=name, anchor_ids=anchor_ids, attention=attention)
+        self.rope_offset = int(getattr(self.family, "rope_offset", 0) or 0)
+        self._band = None
+        if self.rope_offset:
+            r = self.rope.rotary_dim
+            if self.rope_offset + r != self.key_dim:
+                raise UnsupportedModelError(
+                    f"{self.name}: rope band [{self.rope_offset}, {self.rope_offset + r}) does not end the key"
+                )
+            self._band = RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
+        self.vision_cache = VisionCache(self.fingerprint, cache_dir)
+
+    # --- loading ----------------------------------------------------------------------------------
+    @classmethod
+    def load(  # type: ignore[override]
+        cls,
+        model: str | Path,
+        *,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        attn: str | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> VisionEngine:
+        """Load a VLM and its processor by Hugging Face id or local path (the real ``from_pretrained``)."""
+        from transformers import AutoModelForImageTextToText
+
+        from ..attention import resolve_attention
+        from ..engine import _resolve_dtype
+        from .processors import load_processor
+
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = _resolve_dtype(dtype, dev)
+        attention = resolve_attention(attn, dev)
+        processor = load_processor(str(model))
+        try:
+            hf = AutoModelForImageTextToText.from_pretrained(
+                str(model), dtype=torch_dtype, attn_implementation=attention
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"could not load model {model}: {exc}") from exc
+        return cls(hf.to(dev), processor, name=str(model), attention=attention, cache_dir=cache_dir)
+
+    # --- media ----------------------------------------------------------------------------------
+    def register_image(self, image: Any, digest: str) -> MediaEntry:
+        """Register a decoded RGB image (its tower runs here, once per digest); returns its entry."""
+        return self._register("image", digest, lambda: self.family.prepare_image(image))
+
+    def register_video(self, frames: list[Any], fps: float, digest: str) -> MediaEntry:
+        """Register a video segment (sampled frames at ``fps``); the tower runs once per digest."""
+        return self._register("video", digest, lambda: self.family.prepare_video(frames, fps))
+
+    def media_entry(self, digest: str, kind: str = "image") -> MediaEntry | None:
+        return self._by_digest.get((kind, digest))
+
+    def _register(self, kind: str, digest: str, make: Any) -> MediaEntry:
+        known = self._by_digest.get((kind, digest))
+        if known is not None:
+            return known
+        media: MediaInput = make()
+        key = self.vision_cache.key(digest, f"{self.family.name}:{kind}")
+        feats = self._features(key, media)
+        rows = media.num_features
+        if int(feats.embeds.shape[0]) != rows:
+            raise InvalidInputError(
+                f"{self.name}: the vision tower gave {feats.embeds.shape[0]} rows for {rows} placeholder tokens"
+            )
+        idx = torch.nonzero(media.placeholder).flatten()
+        base = self.vocab_size + sum(e.rows for e in self._entries)
+        ids = list(media.token_ids)
+        for k, i in enumerate(idx.tolist()):
+            ids[i] = base + k
+        deltas = None
+        offsets = self.family.chunk_offsets(media)
+        if offsets is not None:
+            deltas = (offsets[idx] - idx[:, None]).to(torch.long)  # (rows, 3)
+            if int(offsets.max()) >= len(ids) + 1 and kind == "image":
+                pass  # positions may overlap later chunks' positions; exactness is unaffected
+        entry = MediaEntry(digest, kind, base, rows, ids, key, deltas, media)
+        self._entries.append(entry)
+        self._bases = torch.cat([self._bases, torch.tensor([base])])
+        self._by_digest[(kind, digest)] = entry
+        return entry
+
+    def _features(self, key: str, media: MediaInput) -> Features:
+        feats = self.vision_cache.get(key)
+        if feats is None:
+            with torch.inference_mode():
+                feats = self.family.encode(media)
+            feats = Features(
+                feats.embeds.detach().to("cpu"), None if feats.deepstack is None else feats.deepstack.detach().cpu()
+            )
+            self.vision_cache.counted_run()
+            self.vision_cache.put(key, feats)
+        return feats
+
+    def _lookup(self, virt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Feature rows, 3-axis deltas and deepstack rows for virtual ids (in order)."""
+        owner = torch.searchsorted(self._bases, virt, right=True) - 1
+        if (owner < 0).any() or not len(self._entries):
+            raise InvalidInputError(f"unknown virtual token ids {virt[owner < 0][:5].tolist()}")
+        hidden = self.family.embed_tokens().embedding_dim
+        rows = torch.empty(len(virt), hidden, dtype=self.dtype)
+        deltas = torch.zeros(len(virt), 3, dtype=torch.long) if self.family.mrope else None
+        deep: torch.Tensor | None = None
+        for o in owner.unique().tolist():
+            entry = self._entries[o]
+            sel = owner == o
+            k = virt[sel] - entry.base
+            if (k >= entry.rows).any():
+                raise InvalidInputError(f"virtual token ids beyond the rows of {entry.kind} {entry.digest[:8]}")
+            feats = tensors_device(self._features(entry.cache_key, entry.media), torch.device("cpu"), self.dtype)
+            rows[sel] = feats.embeds[k]
+            if deltas is not None and entry.deltas is not None:
+                deltas[sel] = entry.deltas[k]
+            if feats.deepstack is not None:
+                if deep is None:
+                    deep = torch.zeros(feats.deepstack.shape[0], len(virt), hidden, dtype=self.dtype)
+                deep[:, sel] = feats.deepstack[:, k]
+        return rows, deltas, deep
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(
+        self, ids: Sequence[int] | torch.Tensor, past: KV | None, start: int, *, logits: str = "last"
+    ) -> ForwardResult:
+        """Prefill ``ids`` (text and virtual vision ids) at linear positions ``start...`` after ``past``."""
+        input_ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long)
+        if input_ids.ndim != 1 or input_ids.numel() == 0:
+            raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        if past is not None and past.positions is None:
+            raise InvalidInputError("past KV must be placed (positions set), not position-free")
+        limit = self.adapter.max_context()
+        if limit is not None and start + int(input_ids.numel()) > limit:
+            raise UnsupportedModelError(f"{self.name}: window exceeds the sliding window ({limit})")
+        t0 = time.perf_counter()
+        res = self._run(input_ids, past, start, logits)
+        self.counters.forwards += 1
+        self.counters.tokens_prefilled += int(input_ids.numel())
+        self.counters.forward_s += time.perf_counter() - t0
+        return res
+
+    @torch.inference_mode()
+    def _run(self, input_ids: torch.Tensor, past: KV | None, start: int, logits: str) -> ForwardResult:
+        dev = self.device
+        n_new = int(input_ids.shape[0])
+        n_past = 0 if past is None else len(past)
+        virt = input_ids >= self.vocab_size
+        embeds = self.family.embed_tokens()(input_ids.masked_fill(virt, 0)[None].to(dev))  # (1, T, hidden)
+        linear = torch.arange(start, start + n_new, dtype=torch.long)
+        deltas = None
+        deep_list = None
+        mask = None
+        if virt.any():
+            rows, vd, deep = self._lookup(input_ids[virt])
+            embeds[0, virt.to(dev)] = rows.to(dev, embeds.dtype)
+            if vd is not None:
+                deltas = torch.zeros(n_new, 3, dtype=torch.long)
+                deltas[virt] = vd
+            if deep is not None:
+                deep_list = [d.to(dev, embeds.dtype) for d in deep]
+                mask = virt[None].to(dev)
+        pos = self.family.position_ids(linear, deltas).to(dev)
+        cache = to_cache(None if past is None else past.to(dev), self._text_config())
+        lm = self.family.language_model()
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **self.family.forward_kwargs(mask, deep_list),
+        )
+        hidden = out.last_hidden_state
+        head = self.family.lm_head()
+        lg = head(hidden[0] if logits == "all" else hidden[0, -1:]).float()
+        new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, linear)
+        return ForwardResult(new_kv, lg, out.past_key_values)
+
+    def _text_config(self) -> Any:
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    # --- the operator on a trailing RoPE band (MLA) ------------------------------------------------
+    def _band_rotate(self, kv: KV, target: torch.Tensor | None, source: torch.Tensor | None, exact: bool) -> KV:
+        assert self._band is not None
+        o = self.rope_offset
+        n = len(kv)
+        tgt = torch.zeros(n, dtype=torch.long) if target is None else target
+        band = rotate_keys(kv.keys[..., o:], self._band, tgt, source, exact=exact)
+        keys = torch.cat([kv.keys[..., :o], band], dim=-1)
+        return KV(keys, kv.values, None if target is None else tgt)
+
+    def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
+        if self._band is None:
+            return super().relocate(kv, target, exact=exact)
+        tgt = torch.arange(target, target + len(kv)) if isinstance(target, int) else target.to(torch.long)
+        return self._band_rotate(kv, tgt, kv.positions, exact)
+
+    def make_free(self, kv: KV) -> KV:
+        if self._band is None:
+            return super().make_free(kv)
+        if kv.positions is None:
+            return kv
+        return self._band_rotate(kv, None, kv.positions, True)
+
+    def form_patch(
+        self,
+        conditioned: KV | Sequence[KV],
+        canonical: KV,
+        rank: int,
+        *,
+        layers: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Patch:
+        if self._band is not None:
+            items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
+            conditioned = [self.make_free(c) for c in items]
+        return super().form_patch(conditioned, canonical, rank, layers=layers, dtype=dtype)
+
+    def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
+        if self._band is None:
+            return super().apply(canonical, patch, target, exact=exact)
+        if not canonical.is_free:
+            raise InvalidInputError("apply_patch wants a position-free canonical")
+        free = op.reconstruct(canonical, patch)
+        tgt = torch.arange(target, target + len(free)) if isinstance(target, int) else target.to(torch.long)
+        return self._band_rotate(free, tgt, None, exact)
+
+    # --- reporting ------------------------------------------------------------------------------
+    @property
+    def tower_runs(self) -> int:
+        return self.vision_cache.stats.tower_runs

@@ -1,0 +1,39 @@
+"""Loading a VLM's processor by id or path.
+
+``AutoProcessor`` is used when it loads. Some processors bundle a video processor that needs
+torchvision; where that is missing, the tokenizer and the image processor are loaded on their own
+(``AutoTokenizer``, ``AutoImageProcessor`` with the PIL backend) into an :class:`ImageTextProcessor`,
+and the family expands the placeholders with the same rule as transformers' processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ModelLoadError
+
+
+@dataclass(slots=True)
+class ImageTextProcessor:
+    """A tokenizer and an image processor, loaded separately (no video processor)."""
+
+    tokenizer: Any
+    image_processor: Any
+    chat_template: str | None = None
+
+
+def load_processor(path: str) -> Any:
+    """The processor of a VLM checkpoint (``AutoProcessor``, or tokenizer + image processor)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass  # e.g. a bundled video processor that needs torchvision
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        image = AutoImageProcessor.from_pretrained(path, backend="pil")
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the processor of {path}: {exc}") from exc
+    return ImageTextProcessor(tok, image, getattr(tok, "chat_template", None))

@@ -1,0 +1,194 @@
+"""Tiny random-weight VLM checkpoints, built in code, for tests, examples and mechanics checks.
+
+Each builder writes a real checkpoint directory (``save_pretrained`` of the model, a word-level
+tokenizer with the family's special tokens, and the family's image processor) so that loading goes
+through the same ``from_pretrained`` path as a downloaded model. Nothing is fetched from a hub.
+
+The weights are random (scaled up so attention is far from uniform and cross-chunk conditioning is
+visible); the numbers they give are mechanics checks, not fidelity on trained weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORDS = [f"w{i}" for i in range(60)] + ["user", "assistant", "system", "image", "video", "frame", "Question:"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<image>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+] + [f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]
+VOCAB = 128  # text vocabulary of every tiny model (>= tokenizer size)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=8192,
+)
+
+
+def tiny_tokenizer() -> Any:
+    """A word-level fast tokenizer holding every family's special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate([*SPECIALS, "[UNK]", *WORDS])}
+    assert len(vocab) <= VOCAB
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="[UNK]",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _text(tok: Any, **extra: Any) -> dict[str, Any]:
+    ids = dict(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return {**_TEXT, **ids, **extra}
+
+
+def _scale(model: torch.nn.Module, factor: float = 4.0) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.mul_(factor)
+
+
+def _qwen2_vl(tok: Any) -> tuple[Any, Any]:
+    import transformers as T
+
+    cfg = T.Qwen2VLConfig(
+        text_config=_text(
+            tok, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        ),
+        vision_config=dict(
+            depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    ip = T.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2)
+    return T.Qwen2VLForConditionalGeneration(cfg), ip
+
+
+def _qwen2_5_vl(tok: Any) -> tuple[Any, Any]:
+    import transformers as T
+
+    cfg = T.Qwen2_5_VLConfig(
+        text_config=_text(
+            tok, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    ip = T.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2)
+    return T.Qwen2_5_VLForConditionalGeneration(cfg), ip
+
+
+def _llava(tok: Any) -> tuple[Any, Any]:
+    import transformers as T
+
+    cfg = T.LlavaConfig(
+        text_config=T.LlamaConfig(**_text(tok)),
+        vision_config=T.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=42,
+            patch_size=14,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        image_seq_length=9,
+    )
+    ip = T.CLIPImageProcessorPil(size={"shortest_edge": 42}, crop_size={"height": 42, "width": 42})
+    return T.LlavaForConditionalGeneration(cfg), ip
+
+
+BUILDERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "llava": _llava,
+}
+
+
+def build_tiny_vlm(family: str, directory: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny random checkpoint of ``family`` to ``directory``; returns the path."""
+    if family not in BUILDERS:
+        raise KeyError(f"no tiny builder for {family!r}; have {sorted(BUILDERS)}")
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    model, image_processor = BUILDERS[family](tok)
+    _scale(model)
+    model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    image_processor.save_pretrained(path)
+    processor = _processor(family, tok, image_processor)
+    if processor is not None:
+        processor.save_pretrained(path)
+    return path
+
+
+def _processor(family: str, tok: Any, image_processor: Any) -> Any | None:
+    """The family's transformers processor when it can be built here (some need torchvision)."""
+    import transformers as T
+
+    if family == "llava":
+        return T.LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tok,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,  # CLIP's class token
+            chat_template=CHAT_TEMPLATE,
+        )
+    return None

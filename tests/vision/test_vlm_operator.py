@@ -1,0 +1,121 @@
+"""The operator on image chunks, per VLM family (tiny random configs loaded through from_pretrained):
+placeholder counts, relocation against re-prefill at the target, survivors, full-rank patch, blind vs
+patched KL, and one vision-tower run per distinct image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kamera_engine import KV, InvalidInputError
+from kamera_engine.vision import VisionEngine
+from kamera_engine.vision.mechanics import measure, noise_image
+
+
+def _tok(engine: VisionEngine, token: str) -> int:
+    return int(engine.tokenizer.convert_tokens_to_ids(token))
+
+
+@pytest.mark.parametrize("size", [(60, 40), (100, 80), (150, 120)])
+def test_processor_puts_the_right_number_of_placeholders(family_engine: VisionEngine, size) -> None:
+    e = family_engine
+    img = noise_image(7, size)
+    entry = e.register_image(img, f"count-{size}")
+    media = entry.media
+    n = entry.rows
+    assert n == media.num_features == int(e.vision_cache.get(entry.cache_key).embeds.shape[0])
+    virtual = [t for t in entry.token_ids if t >= e.vocab_size]
+    assert virtual == list(range(entry.base, entry.base + n))  # one virtual id per feature row
+    fam = e.family.name
+    if fam == "qwen2_vl":
+        t, h, w = media.grid
+        assert n == t * h * w // 4  # the processor's rule: grid product / merge^2
+        assert media.token_ids == [
+            _tok(e, "<|vision_start|>"),
+            *[_tok(e, "<|image_pad|>")] * n,
+            _tok(e, "<|vision_end|>"),
+        ]
+        # the image processor's own grid for this size
+        out = e.processor.image_processor(images=[img], return_tensors="pt")
+        assert int(out["image_grid_thw"].prod()) // 4 == n
+    elif fam == "llava":
+        assert n == (42 // 14) ** 2  # CLIP patches of the 42x42 crop (class token dropped)
+        assert media.token_ids == [int(e.model.config.image_token_id)] * n
+        # transformers' LlavaProcessor expanded "<image>" to exactly the tower's rows
+        out = e.processor(text="w1 <image> w2", images=[img], return_tensors="pt")
+        assert int((out["input_ids"][0] == e.model.config.image_token_id).sum()) == n
+
+
+def test_image_chunk_operator_mechanics(family_engine: VisionEngine) -> None:
+    r = measure(family_engine)
+    for d, err in r["relocation_max_abs_err"].items():
+        bound = 1e-4 if (d <= 1000 or not family_engine.family.mrope) else 3e-4
+        assert err <= bound, f"relocation to {d}: {err:.2e}"
+    for d, err in r["survivor_max_abs_err"].items():
+        bound = 1e-4 if (d <= 1000 or not family_engine.family.mrope) else 3e-4
+        assert err <= bound, f"survivor shifted by {d}: {err:.2e}"
+    assert r["full_rank_max_abs_err"] <= 1e-4
+    assert r["blind_kl"] > 1e-5  # conditioning is visible on these weights
+    assert abs(r["patch_kl"][32]) <= 1e-5  # rank 32 = every key feature of the tiny model: exact
+    assert r["patch_kl"][4] < r["blind_kl"]
+
+
+def test_mrope_vision_tokens_take_3d_positions(family_engine: VisionEngine) -> None:
+    """Vision tokens of M-RoPE families are placed on a 2-D grid: their deltas are not all zero, and the
+    prefill with the deltas differs from one with plain 1-D positions (so the test above is not vacuous)."""
+    e = family_engine
+    entry = e.register_image(noise_image(3), "grid-3")
+    if not e.family.mrope:
+        assert entry.deltas is None
+        return
+    assert entry.deltas is not None and entry.deltas.abs().sum() > 0
+    _t, h, w = entry.media.grid
+    hh, ww = h // 2, w // 2
+    # rows run over (h, w): height advances every ww rows, width cycles
+    k = torch.arange(entry.rows)
+    idx = k + 1  # position of row k in the chunk (after <|vision_start|>)
+    assert torch.equal(entry.deltas[:, 1] + idx, 1 + k // ww)
+    assert torch.equal(entry.deltas[:, 2] + idx, 1 + k % ww)
+    assert hh * ww == entry.rows
+
+
+def test_vision_tower_runs_once_per_distinct_image(family_engine: VisionEngine) -> None:
+    e = family_engine
+    runs = e.tower_runs
+    a = e.register_image(noise_image(11), "img-11")
+    b = e.register_image(noise_image(11), "img-11")  # same digest: no new run, same tokens
+    assert a is b and e.tower_runs == runs + 1
+    ids = e.anchor_ids + a.token_ids
+    e.canonical(a.token_ids)
+    e.forward(ids, None, 0, logits="none")
+    assert e.tower_runs == runs + 1  # forwards read the embedding cache
+    e.vision_cache.clear_memory()  # dropped from every tier: the next use re-encodes, and it is counted
+    e.forward(ids, None, 0, logits="none")
+    assert e.tower_runs == runs + 2
+
+
+def test_unknown_virtual_ids_are_refused(family_engine: VisionEngine) -> None:
+    e = family_engine
+    with pytest.raises(InvalidInputError, match="virtual"):
+        e.forward([e.vocab_size + 10_000], None, 0)
+
+
+def test_video_segment_relocates_exactly(family_engine: VisionEngine) -> None:
+    e = family_engine
+    frames = [noise_image(40 + i, (84, 56)) for i in range(3)]
+    entry = e.register_video(frames, 2.0, "clip-0")
+    assert entry.kind == "video" and entry.rows > 0
+    anchor = e.anchor_ids
+    can = e.canonical(entry.token_ids)
+    for d in (19, 500):
+        ref = e.forward(anchor + entry.token_ids, None, d, logits="none").kv.slice(
+            len(anchor), len(anchor) + len(entry.token_ids)
+        )
+        got = e.apply(can, None, d + len(anchor), exact=True)
+        err = max((got.keys - ref.keys).abs().max().item(), (got.values - ref.values).abs().max().item())
+        assert err <= 1e-4, f"video segment at {d}: {err:.2e}"
+    if e.family.name == "qwen2_vl":
+        assert entry.media.grid[0] == 2  # 3 frames padded to 4, temporal patch 2
+        assert _tok(e, "<|video_pad|>") in entry.media.token_ids
+    blind = KV.cat([e.anchor_kv, e.apply(can, None, len(anchor))])
+    assert len(blind) == len(anchor) + len(entry.token_ids)
