@@ -56,6 +56,7 @@ class WindowStats(BaseModel):
     patch_bytes: int = 0
     window_kv_bytes: int = 0
     window_tokens: int = 0
+    vision_tower_runs: int = Field(0, description="vision-tower runs caused by this window (once per distinct image)")
     timings: dict[str, OpTiming] = Field(default_factory=dict)
     decisions: list[Decision] = Field(default_factory=list, description="most recent planning decisions")
 

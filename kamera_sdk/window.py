@@ -166,6 +166,18 @@ class ContextWindow:
             return self._append_known(cid)
         return self._add(Chunk(cid, "text", self.engine.tokenize(text), text=text))
 
+    def add_image(self, image: object, **kwargs: object) -> ChunkId:
+        """Append an image chunk (PIL image, path, bytes or http(s) URL; VLM engines). See ``vision``."""
+        from .vision import add_image
+
+        return add_image(self, image, **kwargs)  # type: ignore[arg-type]
+
+    def add_video(self, video: object, **kwargs: object) -> list[ChunkId]:
+        """Append a video (file, bytes or frames) as one chunk per segment of sampled frames. See ``vision``."""
+        from .vision import add_video
+
+        return add_video(self, video, **kwargs)  # type: ignore[arg-type]
+
     def add(self, token_ids: Sequence[int], *, kind: str = "tokens", text: str | None = None) -> ChunkId:
         """Append a pre-tokenised chunk."""
         ids = [int(t) for t in token_ids]
