@@ -1,0 +1,288 @@
+"""Mixed windows (text, images, video segments) on tiny random VLMs: every window operation keeps the
+invariants of the window's stateful test; the vision tower runs once per distinct image over a sliding
+trace with recalls; inputs from paths, bytes and frames; clear refusals."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kamera_engine import KV, UnsupportedModelError
+from kamera_engine.vision.mechanics import noise_image
+from kamera_sdk import ChunkNotFoundError, ContextWindow, InvalidInputError, Source, WindowOperationError
+from tests.conftest import tiny_engine as tiny_text_engine
+from tests.vision.conftest import vlm
+
+PROMPT_TEXT = "Question: w3 w4 w5"
+ERRORS = (InvalidInputError, WindowOperationError, ChunkNotFoundError)
+
+
+def reprefill(win: ContextWindow, prompt: list[int]) -> torch.Tensor:
+    e = win.engine
+    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
+    kv = e.forward(ids, e.anchor_kv, len(e.anchor_ids), logits="none").kv
+    past = KV.cat([e.anchor_kv, kv])
+    return e.next_token_logprobs(past, prompt, len(past))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Recompute vs re-prefill: the same forward, up to float noise of the attention kernels."""
+    return (a - b).abs().max().item() <= 1e-5
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float((p.exp() * (p - q)).sum())
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_mixed_window_matches_reprefill(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    e = vlm(family, tmp_path_factory.getbasetemp() / "vlm")
+    prompt = e.prompt_ids(PROMPT_TEXT)
+    kam, rec = ContextWindow(e, rank=32), ContextWindow(e, policy="recompute")
+    for w in (kam, rec):
+        w.add_text("w1 w2 w3 w4")
+        w.add_image(noise_image(101))
+        w.add_text("w7 w8 w9")
+        w.add_image(noise_image(102))
+    assert kam.chunks == rec.chunks and len(kam.chunks) == 4
+    assert [kam.chunk(c).kind for c in kam.chunks] == ["text", "image", "text", "image"]
+    ref = reprefill(rec, prompt)
+    assert _close(rec.next_token_logprobs(prompt), ref)
+    kam.next_token_logprobs(prompt)  # first use: forwards in context, patches pending
+    order = [kam.chunks[i] for i in (3, 0, 2, 1)]
+    for w in (kam, rec):
+        w.reorder(order)
+    ref = reprefill(rec, prompt)
+    assert _close(rec.next_token_logprobs(prompt), ref)
+    assert _kl(ref, kam.next_token_logprobs(prompt)) < 0.05
+    # slide: survivors are rotations of their conditioned KV
+    kam.next_token_logprobs(prompt)
+    before = {s.chunk_id: s.kv for s in kam._slots}
+    gone = kam.slide(1)
+    rec.slide(1)
+    plan, assembled = kam.plan(), kam.assemble()
+    survivors = [sp for sp in plan.slots if sp.source is Source.SURVIVOR]
+    assert survivors
+    for sp in survivors:
+        expect = e.relocate(before[sp.chunk.id], sp.start)
+        got = assembled.slice(sp.start, sp.start + len(sp.chunk))
+        assert (got.keys - expect.keys).abs().max() <= 1e-5
+        assert torch.equal(got.values, expect.values)
+    # recall the slid-out chunk at the front: a fresh patch, no vision re-encode
+    runs = e.tower_runs
+    for w in (kam, rec):
+        w.recall(gone[0], at=0)
+    ref = reprefill(rec, prompt)
+    assert _close(rec.next_token_logprobs(prompt), ref)
+    assert _kl(ref, kam.next_token_logprobs(prompt)) < 0.05
+    # fork: copy-on-write, isolated
+    lp = kam.next_token_logprobs(prompt)
+    child = kam.fork()
+    child.evict(child.chunks[1])
+    child.add_image(noise_image(103))
+    assert torch.allclose(kam.next_token_logprobs(prompt), lp, atol=1e-6)
+    assert len(child.chunks) == 4 and child.chunks[-1] not in kam.chunks
+    assert e.tower_runs == runs + 1  # only the new image ran the tower
+
+
+def test_sliding_trace_runs_the_tower_once_per_distinct_image(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """20 steps: images and text arrive, the budget slides the oldest out, evicted images are recalled."""
+    e = vlm("qwen2_vl", tmp_path_factory.getbasetemp() / "vlm")
+    runs0 = e.tower_runs
+    win = ContextWindow(e, rank=8, budget_tokens=60)
+    rng = random.Random(0)
+    images = [noise_image(500 + i, (100, 80)) for i in range(6)]
+    prompt = e.prompt_ids(PROMPT_TEXT)
+    seen: set[int] = set()
+    recalls = slides_seen = 0
+    for step in range(20):
+        if step % 3 == 2 and win.evicted:
+            win.recall(rng.choice(win.evicted))
+            recalls += 1
+        elif step % 4 == 3:
+            win.add_text(f"w{step} w{step + 1} w{step + 2}")
+        else:
+            i = rng.randrange(len(images))
+            seen.add(i)
+            win.add_image(images[i])
+        slides_seen = max(slides_seen, len(win.evicted))
+        lp = win.next_token_logprobs(prompt)
+        assert torch.isfinite(lp).all()
+    assert recalls >= 4 and slides_seen >= 2
+    st_ = win.stats()
+    assert e.tower_runs - runs0 == len(seen) == st_.vision_tower_runs
+    assert st_.canonicals_computed >= len(seen)
+
+
+def test_inputs_from_paths_bytes_and_frames(tmp_path_factory: pytest.TempPathFactory, tmp_path) -> None:
+    e = vlm("llava", tmp_path_factory.getbasetemp() / "vlm")
+    win = ContextWindow(e)
+    img = noise_image(900)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    path = tmp_path / "x.png"
+    path.write_bytes(buf.getvalue())
+    a = win.add_image(img)
+    assert win.add_image(buf.getvalue()) == a and win.add_image(path) == a  # same pixels: same chunk
+    assert len(win.chunks) == 1
+    segs = win.add_video([noise_image(910 + i, (84, 56)) for i in range(5)], frames_per_segment=2)
+    assert len(segs) == 3 and [win.chunk(c).kind for c in segs] == ["video"] * 3
+    assert win.chunks == [a, *segs]
+    assert torch.isfinite(win.next_token_logprobs(e.prompt_ids(PROMPT_TEXT))).all()
+
+
+def test_refusals(tmp_path_factory: pytest.TempPathFactory) -> None:
+    text_win = ContextWindow(tiny_text_engine("llama"))
+    with pytest.raises(UnsupportedModelError, match="vision-language engine"):
+        text_win.add_image(noise_image(1))
+    e = vlm("llava", tmp_path_factory.getbasetemp() / "vlm")
+    with pytest.raises(UnsupportedModelError, match="does not serve image chunks"):
+        ContextWindow(e, policy="mpic").add_image(noise_image(1))
+    with pytest.raises(InvalidInputError):
+        ContextWindow(e).add_image(b"not an image")
+
+
+# --- stateful: the window machine of tests/sdk/test_window_stateful.py over a mixed pool -------------
+_ROOT: list = []
+
+
+def _engine():
+    import tempfile
+    from pathlib import Path
+
+    if not _ROOT:
+        _ROOT.append(Path(tempfile.mkdtemp(prefix="kamera-vision-stateful-")))
+    return vlm("qwen2_vl", _ROOT[0])
+
+
+class MixedWindowMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = _engine()
+        self.prompt = self.e.prompt_ids(PROMPT_TEXT)
+        self.kam = ContextWindow(self.e, rank=4)
+        self.rec = ContextWindow(self.e, policy="recompute")
+        self.order: list[str] = []
+        self.evicted: list[str] = []
+        self.snapshot = None
+
+    def _both(self, fn) -> None:
+        fn(self.kam)
+        fn(self.rec)
+
+    @rule(i=st.integers(0, 7))
+    def add(self, i: int) -> None:
+        if i < 4:
+            cid = self.kam.add_image(noise_image(700 + i, (60 + 20 * i, 60)))
+            assert self.rec.add_image(noise_image(700 + i, (60 + 20 * i, 60))) == cid
+        else:
+            text = " ".join(f"w{j}" for j in range(i, i + 3 + i % 3))
+            cid = self.kam.add_text(text)
+            assert self.rec.add_text(text) == cid
+        if cid in self.order:
+            return
+        if cid in self.evicted:
+            self.evicted.remove(cid)
+        self.order.append(cid)
+
+    @precondition(lambda self: self.order)
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(self.order))
+        self._both(lambda w: w.evict(cid))
+        self.order.remove(cid)
+        self.evicted.append(cid)
+
+    @precondition(lambda self: self.evicted)
+    @rule(data=st.data())
+    def recall(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(self.evicted))
+        at = data.draw(st.integers(0, len(self.order)))
+        self._both(lambda w: w.recall(cid, at=at))
+        self.evicted.remove(cid)
+        self.order.insert(at, cid)
+
+    @precondition(lambda self: len(self.order) > 1)
+    @rule(data=st.data())
+    def reorder(self, data: st.DataObject) -> None:
+        perm = data.draw(st.permutations(self.order))
+        self._both(lambda w: w.reorder(list(perm)))
+        self.order = list(perm)
+
+    @precondition(lambda self: self.order)
+    @rule(data=st.data())
+    def slide(self, data: st.DataObject) -> None:
+        n = data.draw(st.integers(0, len(self.order)))
+        self.kam.next_token_logprobs(self.prompt)
+        before = {s.chunk_id: s.kv for s in self.kam._slots}
+        self._both(lambda w: w.slide(n))
+        self.evicted += self.order[:n]
+        self.order = self.order[n:]
+        if not self.order:
+            return
+        plan, assembled = self.kam.plan(), self.kam.assemble()
+        for sp in plan.slots:
+            if sp.source is Source.SURVIVOR:
+                expect = self.e.relocate(before[sp.chunk.id], sp.start)
+                got = assembled.slice(sp.start, sp.start + len(sp.chunk))
+                assert (got.keys - expect.keys).abs().max() <= 1e-5
+                assert torch.equal(got.values, expect.values)
+
+    @precondition(lambda self: self.order and self.snapshot is None)
+    @rule()
+    def fork(self) -> None:
+        lp = self.kam.next_token_logprobs(self.prompt)
+        parent = self.kam
+        self.snapshot = (parent, list(parent.chunks), lp)
+        self.kam = parent.fork()
+
+    @rule(which=st.integers(0, 3))
+    def invalid(self, which: int) -> None:
+        before = (list(self.kam.chunks), list(self.kam.evicted))
+        ops = [
+            lambda w: w.evict("not-a-chunk"),
+            lambda w: w.slide(len(self.order) + 1),
+            lambda w: w.reorder([*self.order, "extra"]),
+            lambda w: w.add_image(b"\x89PNG broken"),
+        ]
+        try:
+            ops[which](self.kam)
+        except ERRORS:
+            pass
+        else:
+            raise AssertionError("invalid operation was accepted")
+        assert (self.kam.chunks, self.kam.evicted) == before
+
+    @invariant()
+    def contents_match_the_model(self) -> None:
+        assert self.kam.chunks == self.order and self.rec.chunks == self.order
+        assert sorted(self.kam.evicted) == sorted(self.evicted)
+
+    @invariant()
+    def recompute_equals_reprefill(self) -> None:
+        if self.order:
+            assert _close(self.rec.next_token_logprobs(self.prompt), reprefill(self.rec, self.prompt))
+            assert torch.isfinite(self.kam.next_token_logprobs(self.prompt)).all()
+
+    @invariant()
+    def forks_stay_isolated(self) -> None:
+        if self.snapshot is not None:
+            parent, chunks, lp = self.snapshot
+            assert parent.chunks == chunks
+            assert torch.allclose(parent.next_token_logprobs(self.prompt), lp, atol=1e-6)
+
+    @invariant()
+    def tower_runs_once_per_image(self) -> None:
+        assert self.e.tower_runs <= len(self.e._entries)
+
+
+MixedWindowMachine.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
+)
+TestMixedWindowStateful = MixedWindowMachine.TestCase
