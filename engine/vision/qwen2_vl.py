@@ -115,9 +115,11 @@ class Qwen2VLFamily(VisionFamily):
     def chunk_offsets(self, media: MediaInput) -> torch.Tensor:
         ids = torch.tensor([media.token_ids])
         types = torch.zeros_like(ids, dtype=torch.int32)
-        types[0, media.placeholder] = 1 if media.kind == "image" else 2
+        types[0, media.placeholder] = 1 if (media.kind == "image" or "frames" in media.tower) else 2
         kwargs: dict[str, Any] = {"mm_token_type_ids": types}
-        if media.kind == "image":
+        if "frames" in media.tower:  # a segment served as consecutive images
+            kwargs["image_grid_thw"] = torch.cat([p.tower["image_grid_thw"] for p in media.tower["frames"]])
+        elif media.kind == "image":
             kwargs["image_grid_thw"] = media.tower["image_grid_thw"]
         else:
             kwargs["video_grid_thw"] = media.tower["video_grid_thw"]

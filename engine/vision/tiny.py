@@ -129,6 +129,58 @@ def _qwen2_5_vl(tok: Any) -> tuple[Any, Any]:
     return T.Qwen2_5_VLForConditionalGeneration(cfg), ip
 
 
+def _qwen3_vl(tok: Any) -> tuple[Any, Any]:
+    import transformers as T
+
+    cfg = T.Qwen3VLConfig(
+        text_config=_text(
+            tok,
+            num_hidden_layers=3,
+            head_dim=16,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=16,
+            spatial_merge_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    ip = T.Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2)
+    return T.Qwen3VLForConditionalGeneration(cfg), ip
+
+
+def _idefics3(tok: Any) -> tuple[Any, Any]:
+    import transformers as T
+
+    cfg = T.Idefics3Config(
+        text_config=T.LlamaConfig(**_text(tok)),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+    )
+    ip = T.Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    return T.Idefics3ForConditionalGeneration(cfg), ip
+
+
 def _llava(tok: Any) -> tuple[Any, Any]:
     import transformers as T
 
@@ -155,6 +207,8 @@ BUILDERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
     "llava": _llava,
+    "qwen3_vl": _qwen3_vl,
+    "idefics3": _idefics3,
 }
 
 
@@ -190,5 +244,9 @@ def _processor(family: str, tok: Any, image_processor: Any) -> Any | None:
             vision_feature_select_strategy="default",
             num_additional_image_tokens=1,  # CLIP's class token
             chat_template=CHAT_TEMPLATE,
+        )
+    if family == "idefics3":
+        return T.Idefics3Processor(
+            image_processor=image_processor, tokenizer=tok, image_seq_len=4, chat_template=CHAT_TEMPLATE
         )
     return None

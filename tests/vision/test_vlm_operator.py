@@ -27,7 +27,7 @@ def test_processor_puts_the_right_number_of_placeholders(family_engine: VisionEn
     virtual = [t for t in entry.token_ids if t >= e.vocab_size]
     assert virtual == list(range(entry.base, entry.base + n))  # one virtual id per feature row
     fam = e.family.name
-    if fam == "qwen2_vl":
+    if fam in ("qwen2_vl", "qwen3_vl"):
         t, h, w = media.grid
         assert n == t * h * w // 4  # the processor's rule: grid product / merge^2
         assert media.token_ids == [
@@ -44,6 +44,15 @@ def test_processor_puts_the_right_number_of_placeholders(family_engine: VisionEn
         # transformers' LlavaProcessor expanded "<image>" to exactly the tower's rows
         out = e.processor(text="w1 <image> w2", images=[img], return_tensors="pt")
         assert int((out["input_ids"][0] == e.model.config.image_token_id).sum()) == n
+    elif fam == "idefics3":
+        out = e.processor(text="<image>", images=[[img]], return_tensors="pt")
+        tiles = int(out["pixel_values"].shape[1])  # split tiles + the global view
+        assert n == 4 * tiles  # image_seq_len per tile
+        assert int((out["input_ids"][0] == e.model.config.image_token_id).sum()) == n
+        if max(size) > 56:
+            assert tiles > 1 and _tok(e, "<row_1_col_1>") in media.token_ids
+    else:
+        raise AssertionError(f"no placeholder check for {fam}")
 
 
 def test_image_chunk_operator_mechanics(family_engine: VisionEngine) -> None:
@@ -119,3 +128,24 @@ def test_video_segment_relocates_exactly(family_engine: VisionEngine) -> None:
         assert _tok(e, "<|video_pad|>") in entry.media.token_ids
     blind = KV.cat([e.anchor_kv, e.apply(can, None, len(anchor))])
     assert len(blind) == len(anchor) + len(entry.token_ids)
+
+
+def test_deepstack_rows_are_injected(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3-VL: the cached features carry one row set per deepstack level, and the canonical of an image
+    chunk depends on them from the first decoder layer's output on (layer 0 keys do not)."""
+    from tests.vision.conftest import vlm
+
+    e = vlm("qwen3_vl", tmp_path_factory.getbasetemp() / "vlm")
+    entry = e.register_image(noise_image(21), "deep-21")
+    feats = e.vision_cache.get(entry.cache_key)
+    assert feats.deepstack is not None and feats.deepstack.shape[:2] == (2, entry.rows)
+    ids = e.anchor_ids + entry.token_ids
+    with_deep = e.forward(ids, None, 0, logits="none").kv
+    original = e.family.forward_kwargs
+    e.family.forward_kwargs = lambda *a: {}  # type: ignore[method-assign]
+    try:
+        without = e.forward(ids, None, 0, logits="none").kv
+    finally:
+        e.family.forward_kwargs = original  # type: ignore[method-assign]
+    assert torch.equal(with_deep.keys[0], without.keys[0])
+    assert (with_deep.keys[1] - without.keys[1]).abs().max() > 1e-3
