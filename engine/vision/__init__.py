@@ -4,7 +4,7 @@ One file per family (``qwen2_vl.py``, ``llava.py``, ...), each registering a vis
 become chunk tokens and features) and a model adapter (where RoPE lives). ``VisionEngine`` drives them.
 """
 
-from . import idefics3, llava, qwen2_vl, qwen3_vl  # noqa: F401  (registration)
+from . import idefics3, kimi_k25, llava, qwen2_vl, qwen3_vl  # noqa: F401  (registration)
 from .base import FAMILIES, Features, MediaInput, VisionFamily, family_for, register_family
 from .cache import VisionCache, VisionCacheStats
 from .engine import MediaEntry, VisionEngine

@@ -18,8 +18,9 @@ token ids like any other:
   and a placed key's free frame keeps the chunk-relative 3-axis phase (it is "at linear 0").
   (The native layout packs the text after an image at ``max(t, h, w) + 1``; here it continues at the
   chunk's token count, the same for every policy and for re-prefill.)
-* **MLA.** Families whose keys carry RoPE in a trailing band (DeepSeek-V2/V3 attention) set
-  ``rope_offset``; relocation then rotates only that band and the patch covers content and band.
+* **MLA.** DeepSeek-V2/V3 attention caches the RoPE-free latent and the decoupled ``k_pe`` band in the
+  cache's key and value slots; such families set ``rope_in_values`` and relocation rotates only the
+  band (the latent is carried byte for byte), while the patch covers both channels.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from ..kv import KV, to_cache
 from ..operator import Patch
-from ..rope import RopeSpec, rotate_keys
+from ..rope import RopeSpec
 from ..runner import ForwardResult
 from .base import Features, MediaInput, VisionFamily, family_for
 from .cache import VisionCache, tensors_device
@@ -78,15 +79,13 @@ class VisionEngine(Engine):
         self._bases = torch.empty(0, dtype=torch.long)
         self._by_digest: dict[tuple[str, str], MediaEntry] = {}
         super().__init__(model, self.family.tokenizer(), name=name, anchor_ids=anchor_ids, attention=attention)
-        self.rope_offset = int(getattr(self.family, "rope_offset", 0) or 0)
-        self._band = None
-        if self.rope_offset:
+        self.rope_in_values = bool(getattr(self.family, "rope_in_values", False))
+        self._vspec: RopeSpec | None = None
+        if self.rope_in_values:
             r = self.rope.rotary_dim
-            if self.rope_offset + r != self.key_dim:
-                raise UnsupportedModelError(
-                    f"{self.name}: rope band [{self.rope_offset}, {self.rope_offset + r}) does not end the key"
-                )
-            self._band = RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
+            if r != self.value_dim:
+                raise UnsupportedModelError(f"{self.name}: RoPE band of {r} features != cached {self.value_dim}")
+            self._vspec = RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
         self.vision_cache = VisionCache(self.fingerprint, cache_dir)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -257,28 +256,27 @@ class VisionEngine(Engine):
         cfg = self.model.config
         return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
-    # --- the operator on a trailing RoPE band (MLA) ------------------------------------------------
-    def _band_rotate(self, kv: KV, target: torch.Tensor | None, source: torch.Tensor | None, exact: bool) -> KV:
-        assert self._band is not None
-        o = self.rope_offset
-        n = len(kv)
-        tgt = torch.zeros(n, dtype=torch.long) if target is None else target
-        band = rotate_keys(kv.keys[..., o:], self._band, tgt, source, exact=exact)
-        keys = torch.cat([kv.keys[..., :o], band], dim=-1)
-        return KV(keys, kv.values, None if target is None else tgt)
+    def canonical(self, ids: Sequence[int], *, anchored: bool = True) -> KV:
+        """KV(B | ∅), position-free; the un-rotation goes through this engine's operator (MLA-aware)."""
+        if len(ids) == 0:
+            raise InvalidInputError("a chunk needs at least one token")
+        past = self.anchor_kv if anchored and self.anchor_ids else None
+        start = len(self.anchor_ids) if past is not None else 0
+        res = self.forward(ids, past, start, logits="none")
+        return self.make_free(res.kv.to("cpu"))
 
+    # --- the operator when the cache's value slot holds the RoPE band (MLA) -------------------------
+    # MLA caches (latent, k_pe) in the (key, value) slots: every operator call runs on the swapped KV,
+    # so the rotation lands on k_pe and the latent is carried byte for byte; patches are swapped back.
     def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
-        if self._band is None:
+        if self._vspec is None:
             return super().relocate(kv, target, exact=exact)
-        tgt = torch.arange(target, target + len(kv)) if isinstance(target, int) else target.to(torch.long)
-        return self._band_rotate(kv, tgt, kv.positions, exact)
+        return _swap(op.relocate(_swap(kv), self._vspec, target, exact=exact))
 
     def make_free(self, kv: KV) -> KV:
-        if self._band is None:
+        if self._vspec is None:
             return super().make_free(kv)
-        if kv.positions is None:
-            return kv
-        return self._band_rotate(kv, None, kv.positions, True)
+        return _swap(op.make_free(_swap(kv), self._vspec))
 
     def form_patch(
         self,
@@ -289,21 +287,29 @@ class VisionEngine(Engine):
         layers: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ) -> Patch:
-        if self._band is not None:
-            items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
-            conditioned = [self.make_free(c) for c in items]
-        return super().form_patch(conditioned, canonical, rank, layers=layers, dtype=dtype)
+        if self._vspec is None:
+            return super().form_patch(conditioned, canonical, rank, layers=layers, dtype=dtype)
+        items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
+        patch = op.form_patch(
+            [_swap(c) for c in items], _swap(canonical), self._vspec, rank, layers=layers, dtype=dtype
+        )
+        return _swap_patch(patch)
 
     def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
-        if self._band is None:
+        if self._vspec is None:
             return super().apply(canonical, patch, target, exact=exact)
-        if not canonical.is_free:
-            raise InvalidInputError("apply_patch wants a position-free canonical")
-        free = op.reconstruct(canonical, patch)
-        tgt = torch.arange(target, target + len(free)) if isinstance(target, int) else target.to(torch.long)
-        return self._band_rotate(free, tgt, None, exact)
+        swapped = None if patch is None else _swap_patch(patch)
+        return _swap(op.apply_patch(_swap(canonical), swapped, self._vspec, target, exact=exact))
 
     # --- reporting ------------------------------------------------------------------------------
     @property
     def tower_runs(self) -> int:
         return self.vision_cache.stats.tower_runs
+
+
+def _swap(kv: KV) -> KV:
+    return KV(kv.values, kv.keys, kv.positions)
+
+
+def _swap_patch(p: Patch) -> Patch:
+    return Patch(p.v_u, p.v_vt, p.k_u, p.k_vt, p.layers)

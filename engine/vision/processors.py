@@ -19,7 +19,7 @@ class ImageTextProcessor:
     """A tokenizer and an image processor, loaded separately (no video processor)."""
 
     tokenizer: Any
-    image_processor: Any
+    image_processor: Any | None
     chat_template: str | None = None
 
 
@@ -29,11 +29,14 @@ def load_processor(path: str) -> Any:
 
     try:
         return AutoProcessor.from_pretrained(path)
-    except (ImportError, AttributeError, TypeError, ValueError):
+    except (ImportError, AttributeError, TypeError, ValueError, OSError):
         pass  # e.g. a bundled video processor that needs torchvision
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        image = AutoImageProcessor.from_pretrained(path, backend="pil")
     except Exception as exc:
-        raise ModelLoadError(f"could not load the processor of {path}: {exc}") from exc
+        raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
+    try:
+        image = AutoImageProcessor.from_pretrained(path, backend="pil")
+    except Exception:
+        image = None  # no PIL image processor for this family: the family preprocesses itself
     return ImageTextProcessor(tok, image, getattr(tok, "chat_template", None))

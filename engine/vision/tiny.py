@@ -181,6 +181,48 @@ def _idefics3(tok: Any) -> tuple[Any, Any]:
     return T.Idefics3ForConditionalGeneration(cfg), ip
 
 
+def _kimi_k25(tok: Any) -> tuple[Any, Any]:
+    import transformers as T
+
+    text = _text(
+        tok,
+        model_type="deepseek_v3",
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=2,
+        rope_interleave=True,
+    )
+    cfg = T.Kimi_K25Config(
+        text_config=text,
+        vision_config=dict(
+            patch_size=14,
+            pos_emb_height=8,
+            pos_emb_width=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+            merge_kernel_size=[2, 2],
+        ),
+        projection_hidden_size=32,
+        image_token_id=tok.convert_tokens_to_ids("<|media_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|media_begin|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|media_end|>"),
+        tie_word_embeddings=False,
+    )
+    return T.Kimi_K25ForConditionalGeneration(cfg), None  # its image processor needs torchvision
+
+
 def _llava(tok: Any) -> tuple[Any, Any]:
     import transformers as T
 
@@ -209,6 +251,7 @@ BUILDERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
     "llava": _llava,
     "qwen3_vl": _qwen3_vl,
     "idefics3": _idefics3,
+    "kimi_k25": _kimi_k25,
 }
 
 
@@ -223,13 +266,34 @@ def build_tiny_vlm(family: str, directory: str | Path, *, seed: int = 0) -> Path
     model, image_processor = BUILDERS[family](tok)
     _scale(model)
     model.eval()
-    model.save_pretrained(path)
+    if family in _RAW_SAVE:
+        _save_raw(model, path)
+    else:
+        model.save_pretrained(path)
     tok.save_pretrained(path)
-    image_processor.save_pretrained(path)
+    if image_processor is not None:
+        image_processor.save_pretrained(path)
     processor = _processor(family, tok, image_processor)
     if processor is not None:
         processor.save_pretrained(path)
     return path
+
+
+#: families whose ``save_pretrained`` rewrites keys it cannot read back (transformers 5.23 applies the
+#: Kimi-K2.5 checkpoint-conversion renames in reverse to the language model too: ``layers`` -> ``blocks``,
+#: ``self_attn.q_proj`` -> ``self_wqkv``); their weights are written as the plain state dict, which the
+#: forward conversion leaves untouched, and loaded through ``from_pretrained`` as usual.
+_RAW_SAVE = frozenset({"kimi_k25"})
+
+
+def _save_raw(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _processor(family: str, tok: Any, image_processor: Any) -> Any | None:

@@ -51,6 +51,15 @@ def test_processor_puts_the_right_number_of_placeholders(family_engine: VisionEn
         assert int((out["input_ids"][0] == e.model.config.image_token_id).sum()) == n
         if max(size) > 56:
             assert tiles > 1 and _tok(e, "<row_1_col_1>") in media.token_ids
+    elif fam == "kimi_k25":
+        # NaViT budget (8 x 8 patches of 14 px, never upscale), padded to the 2 x 2 merge grid
+        w_, h_ = size
+        scale = min(1.0, (64 / max(1, h_ // 14) / max(1, w_ // 14)) ** 0.5, 112 / h_, 112 / w_)
+        nh, nw = min(int(h_ * scale), 112), min(int(w_ * scale), 112)
+        gh, gw = -(-nh // 28) * 2, -(-nw // 28) * 2
+        assert media.grid == (1, gh, gw) and n == gh * gw // 4
+        head = [_tok(e, "<|media_begin|>"), _tok(e, "image"), _tok(e, "<|media_content|>")]
+        assert media.token_ids == [*head, *[int(e.model.config.image_token_id)] * n, _tok(e, "<|media_end|>")]
     else:
         raise AssertionError(f"no placeholder check for {fam}")
 
@@ -149,3 +158,48 @@ def test_deepstack_rows_are_injected(tmp_path_factory: pytest.TempPathFactory) -
         e.family.forward_kwargs = original  # type: ignore[method-assign]
     assert torch.equal(with_deep.keys[0], without.keys[0])
     assert (with_deep.keys[1] - without.keys[1]).abs().max() > 1e-3
+
+
+def test_mla_relocation_rotates_only_the_rope_band(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Kimi-K2.5 (DeepSeek-V3 MLA): the cache holds the RoPE-free latent (key slot) and the decoupled k_pe
+    band (value slot); relocation carries the latent byte for byte and rotates the band exactly."""
+    from tests.vision.conftest import vlm
+
+    e = vlm("kimi_k25", tmp_path_factory.getbasetemp() / "vlm")
+    text = e.model.config.text_config
+    assert (e.key_dim, e.value_dim, e.num_kv_heads) == (text.kv_lora_rank, text.qk_rope_head_dim, 1)
+    entry = e.register_image(noise_image(31), "mla-31")
+    can = e.canonical(entry.token_ids)
+    for d in (40, 900):
+        placed = e.apply(can, None, d, exact=True)
+        assert torch.equal(placed.keys, can.keys)  # the latent carries no position
+        assert (placed.values - can.values).abs().max() > 1e-3
+        back = e.make_free(placed)
+        assert (back.values - can.values).abs().max() <= 1e-6
+    # the patch covers both channels: a full-rank patch reproduces latent and band of a conditioned chunk
+    other = e.register_image(noise_image(32), "mla-32").token_ids
+    ids = e.anchor_ids + other + entry.token_ids
+    start = len(e.anchor_ids) + len(other)
+    cond = e.forward(ids, None, 0, logits="none").kv.slice(start, len(ids))
+    patch = e.form_patch(cond, can, rank=len(entry.token_ids))
+    served = e.apply(can, patch, start, exact=True)
+    assert (served.keys - cond.keys).abs().max() <= 1e-4 and (served.values - cond.values).abs().max() <= 1e-4
+    assert (patch.k_u.abs().sum() > 0) and (patch.v_u.abs().sum() > 0)
+
+
+def test_vision_cache_persists_across_engines(tmp_path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With a cache directory, a second engine on the same weights reads the features from disk."""
+    from kamera_engine.vision.mechanics import tiny_engine
+
+    d = tmp_path_factory.getbasetemp() / "vlm-disk"
+    first = tiny_engine("llava", str(d), cache_dir=tmp_path / "vc")
+    a = first.register_image(noise_image(61), "disk-61")
+    assert first.tower_runs == 1
+    second = tiny_engine("llava", str(d), cache_dir=tmp_path / "vc")  # same checkpoint, same fingerprint
+    assert second.fingerprint == first.fingerprint
+    b = second.register_image(noise_image(61), "disk-61")
+    assert second.tower_runs == 0 and second.vision_cache.stats.disk_hits == 1
+    ids = second.anchor_ids + b.token_ids
+    assert torch.equal(
+        first.forward(first.anchor_ids + a.token_ids, None, 0).logits, second.forward(ids, None, 0).logits
+    )
