@@ -291,3 +291,14 @@ MixedWindowMachine.TestCase.settings = settings(
     max_examples=15, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
 )
 TestMixedWindowStateful = MixedWindowMachine.TestCase
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "kimi_k25", "idefics3"])
+def test_scripted_trace_one_tower_run_per_distinct_image(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from kamera_sdk.vision_trace import run_trace
+
+    r = run_trace(vlm(family, tmp_path_factory.getbasetemp() / "vlm"), 20, seed=1)
+    assert r["tower_runs_per_distinct_image"] == 1.0 and r["vision_tower_runs"] == r["distinct_images"]
+    assert r["recalls"] >= 4 and r["slides"] >= 4 and r["survivors_rotated"] > 0
+    assert r["kamera_tokens_prefilled"] < r["recompute_tokens_prefilled"]
+    assert r["kl_mean"] < 0.05
