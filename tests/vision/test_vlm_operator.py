@@ -203,3 +203,26 @@ def test_vision_cache_persists_across_engines(tmp_path, tmp_path_factory: pytest
     assert torch.equal(
         first.forward(first.anchor_ids + a.token_ids, None, 0).logits, second.forward(ids, None, 0).logits
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "fps", "step"), [("qwen2_vl", 2.0, 1), ("qwen2_5_vl", 2.0, 2), ("qwen2_5_vl", 0.5, 8)]
+)
+def test_video_temporal_axis_follows_the_model(family: str, fps: float, step: int, tmp_path_factory) -> None:
+    """Qwen2.5-VL scales the temporal axis by tokens_per_second * seconds per temporal patch (2 frames /
+    fps); Qwen2-VL advances it by one per temporal patch. The chunk-relative offsets carry it, so a relocated
+    video segment keeps it (and relocation shifts all three axes alike)."""
+    from tests.vision.conftest import vlm
+
+    e = vlm(family, tmp_path_factory.getbasetemp() / "vlm")
+    entry = e.register_video([noise_image(80 + i, (84, 56)) for i in range(4)], fps, f"temporal-{fps}")
+    t, h, w = entry.media.grid
+    per_t = h * w // 4
+    assert t == 2 and entry.rows == 2 * per_t
+    temporal = entry.deltas[:, 0] + torch.arange(entry.rows) + 1  # chunk-relative temporal position
+    assert torch.equal(temporal[:per_t], torch.ones(per_t, dtype=torch.long))
+    assert torch.equal(temporal[per_t:], torch.full((per_t,), 1 + step, dtype=torch.long))
+    can = e.canonical(entry.token_ids)
+    ref = e.forward(e.anchor_ids + entry.token_ids, None, 250, logits="none").kv.slice(len(e.anchor_ids), None)
+    got = e.apply(can, None, 250 + len(e.anchor_ids), exact=True)
+    assert (got.keys - ref.keys).abs().max() <= 1e-4
