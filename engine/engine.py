@@ -113,6 +113,9 @@ class Engine:
             name = DEFAULT_MODEL_NAME
         else:
             path, name = model, str(model)
+            vision = _vision_engine_class(path)
+            if vision is not None:  # a vision-language checkpoint: its processor and model classes
+                return vision.load(path, device=device, dtype=dtype, attn=attn)  # type: ignore[return-value]
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
@@ -302,6 +305,19 @@ class Engine:
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
         return stream_text(token_ids, self.tokenizer, params)
+
+
+def _vision_engine_class(path: str | Path) -> type | None:
+    """``VisionEngine`` when ``path`` holds a config of a registered vision family, else None."""
+    from transformers import AutoConfig
+
+    try:
+        model_type = getattr(AutoConfig.from_pretrained(str(path)), "model_type", None)
+    except Exception:  # not readable as a config here: the text path reports the real error
+        return None
+    from .vision import FAMILIES, VisionEngine
+
+    return VisionEngine if model_type in FAMILIES else None
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
