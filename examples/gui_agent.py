@@ -7,18 +7,25 @@ is not re-encoded: still in the window it is moved last (``reorder``), already s
 (``recall``). With Kamera, survivors of a slide are only rotated; without it (``policy="recompute"``)
 every step re-prefills all observations.
 
-Screenshots need a vision-language engine, which this example does not support yet: ``--model`` is
-accepted for that future path and the loop runs on accessibility-tree text with the default model.
+With a vision-language model the observations are screenshots instead: each screen is rendered to an
+image and added with ``add_image`` (the vision tower runs once per distinct screen; a screen seen again
+is reordered or recalled, never re-encoded).
 
-    python examples/gui_agent.py            # full session
-    python examples/gui_agent.py --short    # a few steps (CI)
+    python examples/gui_agent.py                                  # accessibility text, default model
+    python examples/gui_agent.py --short                          # a few steps (CI)
+    python examples/gui_agent.py --model Qwen/Qwen2-VL-2B-Instruct --device cuda   # screenshots, a real VLM
+    python examples/gui_agent.py --short --tiny-vlm qwen2_vl      # screenshots, a tiny random VLM (mechanics)
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from _common import SideBySide, arg_parser, load_engine
+
+from kamera_engine import Engine
 
 GOAL = "Turn on dark mode."
 HOME = ("Wi-Fi", "Bluetooth", "Display", "Sound")
@@ -65,36 +72,67 @@ class Phone:
             self.switches[label] = not self.switches[label]
 
 
+def screenshot(tree: str):
+    """The screen as pixels: the accessibility tree drawn as a phone screen (what a VLM agent would see)."""
+    from PIL import Image, ImageDraw
+
+    lines = tree.strip().splitlines()
+    img = Image.new("RGB", (224, 28 + 18 * len(lines)), (250, 250, 250))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([0, 0, 223, 20], fill=(40, 90, 160))
+    draw.text((6, 5), lines[0].split('"')[1], fill=(255, 255, 255))
+    for i, line in enumerate(lines[1:]):
+        draw.text((8, 28 + 18 * i), line.strip(), fill=(20, 20, 20))
+    return img
+
+
+def load(args) -> Engine:
+    """The default text model, a VLM by id or path (``--model``), or a tiny random VLM (``--tiny-vlm``)."""
+    if args.model:
+        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+        return Engine.load(args.model, device=args.device)
+    if args.tiny_vlm:
+        from kamera_engine.vision import VisionEngine
+        from kamera_engine.vision.tiny import build_tiny_vlm
+
+        path = build_tiny_vlm(args.tiny_vlm, tempfile.mkdtemp(prefix="kamera-gui-agent-"))
+        return VisionEngine.load(path, device=args.device or "cpu", dtype="float32")
+    return load_engine(args.device)
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
-    parser.add_argument("--model", default=None, help="a vision-language model for screenshots (not supported yet)")
+    parser.add_argument("--model", default=None, help="a vision-language model id or path: observe screenshots")
+    parser.add_argument("--tiny-vlm", default=None, help="observe screenshots with a tiny random VLM of this family")
     parser.add_argument("--steps", type=int, default=None, help="maximum steps (default 16, 3 with --short)")
     args = parser.parse_args()
-    if args.model:
-        print(
-            f"--model {args.model}: screenshots need a VLM engine, which this example does not support yet; "
-            "using accessibility-tree text with the default model instead."
-        )
     steps = args.steps or (3 if args.short else 16)
     keep = 2 if args.short else 3  # observations kept in the window
-    engine = load_engine(args.device)
+    engine = load(args)
+    pixels = hasattr(engine, "register_image")  # a vision-language engine: observe screenshots
+    print("observations:", "screenshots (add_image)" if pixels else "accessibility-tree text (add_text)")
     session = SideBySide(engine)
     phone = Phone()
     actions: list[str] = []
     tried: dict[str, set[str]] = {}  # observation -> labels already clicked there (explore, don't repeat)
+    seen: dict[str, str] = {}  # observation -> its chunk id
+    runs0 = getattr(engine, "tower_runs", 0)
 
     for step in range(1, steps + 1):
         print(f"\n[{step}] screen {phone.screen!r}")
         obs = phone.tree()
-        known = [cid for cid in session.chunks + session.evicted if session.kamera.chunk(cid).text == obs]
-        if known and known[0] in session.chunks:
+        known = seen.get(obs)
+        if known in session.chunks:
             print("    seen and still in the window: move it last (reorder)")
-            session.reorder([c for c in session.chunks if c != known[0]] + [known[0]])
-        elif known:
+            session.reorder([c for c in session.chunks if c != known] + [known])
+        elif known is not None:
             print("    seen before and slid out: recall")
-            session.recall(known[0])
+            session.recall(known)
+        elif pixels:
+            seen[obs] = session._each("add_image", screenshot(obs))[0]
+            print("    new screenshot: vision tower + one conditioned forward")
         else:
-            session.add_text(obs)
+            seen[obs] = session.add_text(obs)
         if len(session.chunks) > keep:
             print(f"    slide {len(session.chunks) - keep} old observation(s) out")
             session.slide(len(session.chunks) - keep)
@@ -121,7 +159,9 @@ def main() -> None:
             print("    goal reached: dark mode is on")
             break
     else:
-        print(f"\ngoal not reached in {steps} steps (a 135M model is a weak GUI agent; the cost figures stand)")
+        print(f"\ngoal not reached in {steps} steps (a small model is a weak GUI agent; the cost figures stand)")
+    if pixels:
+        print(f"vision tower runs: {engine.tower_runs - runs0} for {len(seen)} distinct screens")
     session.report()
 
 

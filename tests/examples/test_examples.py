@@ -45,10 +45,17 @@ def test_example_short(name: str) -> None:
     assert "recall" in out  # both look back at an evicted page
 
 
-def test_gui_agent_short_falls_back_to_accessibility_text() -> None:
-    out = run_example("gui_agent.py", "--model", "some/vlm")
-    assert "screenshots need a VLM engine" in out
+def test_gui_agent_short_on_accessibility_text() -> None:
+    out = run_example("gui_agent.py")
+    assert "accessibility-tree text" in out
     assert "slide" in out
+
+
+def test_gui_agent_short_on_screenshots_with_a_tiny_vlm() -> None:
+    out = run_example("gui_agent.py", "--tiny-vlm", "qwen2_vl")
+    assert "screenshots (add_image)" in out
+    assert "slide" in out
+    assert "vision tower runs: 3 for 3 distinct screens" in out
 
 
 @pytest.mark.skipif(not _has_chat_kamera(), reason="kamera_langchain has no ChatKamera yet (or langchain-core missing)")
