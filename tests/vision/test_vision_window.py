@@ -11,13 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
 from kamera_engine import KV, UnsupportedModelError
 from kamera_engine.vision.mechanics import noise_image
 from kamera_sdk import ChunkNotFoundError, ContextWindow, InvalidInputError, Source, WindowOperationError
 from tests.conftest import tiny_engine as tiny_text_engine
 from tests.vision.conftest import vlm
+from tests.window_machine import WindowModelMachine
 
 PROMPT_TEXT = "Question: w3 w4 w5"
 ERRORS = (InvalidInputError, WindowOperationError, ChunkNotFoundError)
@@ -168,20 +169,14 @@ def _engine():
     return vlm("qwen2_vl", _ROOT[0])
 
 
-class MixedWindowMachine(RuleBasedStateMachine):
+class MixedWindowMachine(WindowModelMachine):
     def __init__(self) -> None:
-        super().__init__()
-        self.e = _engine()
-        self.prompt = self.e.prompt_ids(PROMPT_TEXT)
-        self.kam = ContextWindow(self.e, rank=4)
-        self.rec = ContextWindow(self.e, policy="recompute")
-        self.order: list[str] = []
-        self.evicted: list[str] = []
-        self.snapshot = None
+        e = _engine()
+        super().__init__(e, e.prompt_ids(PROMPT_TEXT))
+        self.e = e
 
-    def _both(self, fn) -> None:
-        fn(self.kam)
-        fn(self.rec)
+    def check_survivor(self, got: KV, expect: KV) -> None:
+        _survivor_is_a_rotation(self.e, got, expect)
 
     @rule(i=st.integers(0, 7))
     def add(self, i: int) -> None:
@@ -192,60 +187,7 @@ class MixedWindowMachine(RuleBasedStateMachine):
             text = " ".join(f"w{j}" for j in range(i, i + 3 + i % 3))
             cid = self.kam.add_text(text)
             assert self.rec.add_text(text) == cid
-        if cid in self.order:
-            return
-        if cid in self.evicted:
-            self.evicted.remove(cid)
-        self.order.append(cid)
-
-    @precondition(lambda self: self.order)
-    @rule(data=st.data())
-    def evict(self, data: st.DataObject) -> None:
-        cid = data.draw(st.sampled_from(self.order))
-        self._both(lambda w: w.evict(cid))
-        self.order.remove(cid)
-        self.evicted.append(cid)
-
-    @precondition(lambda self: self.evicted)
-    @rule(data=st.data())
-    def recall(self, data: st.DataObject) -> None:
-        cid = data.draw(st.sampled_from(self.evicted))
-        at = data.draw(st.integers(0, len(self.order)))
-        self._both(lambda w: w.recall(cid, at=at))
-        self.evicted.remove(cid)
-        self.order.insert(at, cid)
-
-    @precondition(lambda self: len(self.order) > 1)
-    @rule(data=st.data())
-    def reorder(self, data: st.DataObject) -> None:
-        perm = data.draw(st.permutations(self.order))
-        self._both(lambda w: w.reorder(list(perm)))
-        self.order = list(perm)
-
-    @precondition(lambda self: self.order)
-    @rule(data=st.data())
-    def slide(self, data: st.DataObject) -> None:
-        n = data.draw(st.integers(0, len(self.order)))
-        self.kam.next_token_logprobs(self.prompt)
-        before = {s.chunk_id: s.kv for s in self.kam._slots}
-        self._both(lambda w: w.slide(n))
-        self.evicted += self.order[:n]
-        self.order = self.order[n:]
-        if not self.order:
-            return
-        plan, assembled = self.kam.plan(), self.kam.assemble()
-        for sp in plan.slots:
-            if sp.source is Source.SURVIVOR:
-                expect = self.e.relocate(before[sp.chunk.id], sp.start)
-                _survivor_is_a_rotation(self.e, assembled.slice(sp.start, sp.start + len(sp.chunk)), expect)
-
-    @precondition(lambda self: self.order and self.snapshot is None)
-    @rule()
-    def fork(self) -> None:
-        lp = self.kam.next_token_logprobs(self.prompt)
-        parent = self.kam
-        self.snapshot = (parent, list(parent.chunks), lp)
-        self.kam = parent.fork()
+        self._admitted(cid)
 
     @rule(which=st.integers(0, 3))
     def invalid(self, which: int) -> None:
@@ -265,22 +207,10 @@ class MixedWindowMachine(RuleBasedStateMachine):
         assert (self.kam.chunks, self.kam.evicted) == before
 
     @invariant()
-    def contents_match_the_model(self) -> None:
-        assert self.kam.chunks == self.order and self.rec.chunks == self.order
-        assert sorted(self.kam.evicted) == sorted(self.evicted)
-
-    @invariant()
     def recompute_equals_reprefill(self) -> None:
         if self.order:
             assert _close(self.rec.next_token_logprobs(self.prompt), reprefill(self.rec, self.prompt))
             assert torch.isfinite(self.kam.next_token_logprobs(self.prompt)).all()
-
-    @invariant()
-    def forks_stay_isolated(self) -> None:
-        if self.snapshot is not None:
-            parent, chunks, lp = self.snapshot
-            assert parent.chunks == chunks
-            assert torch.allclose(parent.next_token_logprobs(self.prompt), lp, atol=1e-6)
 
     @invariant()
     def tower_runs_once_per_image(self) -> None:
