@@ -565,6 +565,7 @@ class ContextWindow:
     def _changed(self, op: str, t0: float | None = None) -> None:
         self._version += 1
         self._step += 1
+        self._prompt_memo = None  # the kept prefill belongs to the window as it was: free it now
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 

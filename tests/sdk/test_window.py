@@ -250,3 +250,5 @@ def test_prompt_rides_in_the_trailing_forward(engine) -> None:
     assert from_memo == list(engine.generate_ids(past, PROMPT, plan.end, SamplingParams(max_new_tokens=6)))
     assert from_memo[0] == int(lp.argmax())
     assert list(engine.continue_ids(memo, SamplingParams(max_new_tokens=6))) == from_memo  # reusable snapshot
+    win.slide(1)
+    assert win._prompt_memo is None  # a window operation frees the kept prefill
