@@ -29,6 +29,14 @@ class WindowConfig(BaseModel):
         description="on reorder: reuse conditioning formed in another order (transfer), form an orbit patch "
         "over orderings of the predecessor set (orbit), or re-prefill in the new order (exact)",
     )
+    survivors: Literal["rotate", "patch"] = Field(
+        "rotate",
+        description="slide survivors: rotation only, keeping what they absorbed from the chunks that left "
+        "(paper §5: near-lossless on GQA/MLA), or re-conditioned on what remains with a stored removal patch "
+        "of rank survivor_rank (the paper's option for deepstack backbones such as Qwen3-VL; costs a forward "
+        "the first time)",
+    )
+    survivor_rank: int = Field(64, ge=1, description="rank of survivor removal patches (survivors='patch')")
     orbit_exhaustive_max: int = Field(4, ge=1, description="use all orderings up to this many predecessors")
     orbit_samples: int = Field(6, ge=1, description="orderings sampled beyond orbit_exhaustive_max")
     envelope: EnvelopeConfig = Field(default_factory=EnvelopeConfig)

@@ -4,7 +4,8 @@ Per slot, cheapest correct source first:
 
 1. leading chunk -> its canonical, relocated: exact (it is conditioned on the anchor alone);
 2. antecedent unchanged since the last use -> keep its conditioned KV (rotation only if it moved);
-3. antecedent lost only its oldest members (a slide) -> survivor: rotation only, no patch (§5);
+3. antecedent lost only its oldest members (a slide) -> survivor: rotation only, no patch (§5); with
+   ``survivors="patch"``, a removal patch formed on exactly what remains (re-conditioned once);
 4. a stored patch, or the slot's own conditioned KV, formed on an antecedent within the safety
    envelope (same set reordered, one dropped / duplicated member) -> apply it (orbit patches first);
    a recalled chunk only takes a patch formed on the same set (a patch frozen at eviction is stale);
@@ -22,7 +23,7 @@ from ..plan import Plan, SlotPlan, Source
 from ..slots import Slot
 from .base import ReusePolicy, WindowView, register_policy
 
-_KIND_RANK = {"orbit": 0, "fresh": 1, "exact": 2}
+_KIND_RANK = {"orbit": 0, "fresh": 1, "exact": 2, "removal": 2}
 
 
 def _dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
@@ -60,9 +61,11 @@ class KameraPolicy(ReusePolicy):
             if formed == ante and not stale:
                 return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
             if _dropped_run(formed, ante) and not stale:
-                return SlotPlan(
-                    chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
-                )
+                if view.config.survivors == "rotate":
+                    return SlotPlan(
+                        chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
+                    )
+                return self._survivor_patch(view, chunk, start, ante)
         recalled = not slot.materialised()
         patch = self._best_patch(view, chunk, ante, recalled)
         env = view.config.envelope
@@ -84,6 +87,21 @@ class KameraPolicy(ReusePolicy):
             why = "antecedent outside the envelope"
         kind = "fresh" if recalled and chunk.patches else "exact"
         return SlotPlan(chunk, start, ante, Source.FORWARD, form_patch=True, patch_kind=kind, reason=why)
+
+    def _survivor_patch(self, view: WindowView, chunk: Chunk, start: int, ante: Antecedent) -> SlotPlan:
+        """survivors='patch': a patch formed on exactly what remains, else re-condition and store one."""
+        for p in chunk.patches:
+            if p.antecedent == ante and p.kind != "orbit":
+                return self._patch_plan(view, chunk, start, ante, p)
+        return SlotPlan(
+            chunk,
+            start,
+            ante,
+            Source.FORWARD,
+            form_patch=True,
+            patch_kind="removal",
+            reason="survivor: re-conditioned on what remains (removal patch)",
+        )
 
     @staticmethod
     def _patch_plan(view: WindowView, chunk: Chunk, start: int, ante: Antecedent, patch: StoredPatch) -> SlotPlan:

@@ -252,3 +252,27 @@ def test_prompt_rides_in_the_trailing_forward(engine) -> None:
     assert list(engine.continue_ids(memo, SamplingParams(max_new_tokens=6))) == from_memo  # reusable snapshot
     win.slide(1)
     assert win._prompt_memo is None  # a window operation frees the kept prefill
+
+
+def test_survivor_removal_patch_option(engine) -> None:
+    cfg = WindowConfig(survivors="patch", survivor_rank=64, rank=8)
+    win = ContextWindow(engine, config=cfg)
+    rec = ContextWindow(engine, policy="recompute")
+    ids = [win.add(random_ids(10 + i, seed=400 + i)) for i in range(4)]
+    for i in range(4):
+        rec.add(random_ids(10 + i, seed=400 + i))
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    rec.slide(1)
+    plan = win.plan()
+    assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.FORWARD, Source.FORWARD]
+    assert all("removal patch" in sp.reason for sp in plan.slots[1:])
+    lp = win.next_token_logprobs(PROMPT)
+    assert (lp - rec.next_token_logprobs(PROMPT)).abs().max() < 1e-4  # re-conditioned: re-prefill's numbers
+    assert win.flush() == 2
+    removal = [p for p in win.chunk(ids[2]).patches if p.kind == "removal"]
+    assert len(removal) == 1 and removal[0].antecedent == (ids[1],)
+    assert removal[0].patch.rank == min(64, len(win.chunk(ids[2])))  # survivor_rank, capped at the chunk length
+    win.evict(ids[2])
+    win.recall(ids[2], at=1)  # the same place behind the same chunk: the stored removal patch serves it
+    assert win.plan().slots[1].source is Source.PATCH
