@@ -128,6 +128,32 @@ def test_sliding_trace_runs_the_tower_once_per_distinct_image(tmp_path_factory: 
     assert st_.canonicals_computed >= len(seen)
 
 
+def test_deepstack_survivor_removal_patch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3-VL (deepstack): survivors='patch' re-conditions image survivors once, matching re-prefill,
+    and stores a removal patch that serves the same placement later."""
+    from kamera_sdk import WindowConfig
+
+    e = vlm("qwen3_vl", tmp_path_factory.getbasetemp() / "vlm")
+    prompt = e.prompt_ids(PROMPT_TEXT)
+    win = ContextWindow(e, config=WindowConfig(survivors="patch", survivor_rank=64, rank=4))
+    rec = ContextWindow(e, policy="recompute")
+    imgs = [noise_image(900 + i, (60 + 20 * i, 60)) for i in range(3)]
+    ids = [win.add_image(img) for img in imgs]
+    for img in imgs:
+        rec.add_image(img)
+    win.next_token_logprobs(prompt)
+    win.slide(1)
+    rec.slide(1)
+    assert [sp.source for sp in win.plan().slots] == [Source.LEAD, Source.FORWARD]
+    assert _close(win.next_token_logprobs(prompt), rec.next_token_logprobs(prompt))
+    win.flush()
+    removal = [p for p in win.chunk(ids[2]).patches if p.kind == "removal"]
+    assert len(removal) == 1 and removal[0].antecedent == (ids[1],)
+    win.evict(ids[2])
+    win.recall(ids[2], at=1)
+    assert win.plan().slots[1].source is Source.PATCH
+
+
 def test_inputs_from_paths_bytes_and_frames(tmp_path_factory: pytest.TempPathFactory, tmp_path) -> None:
     e = vlm("llava", tmp_path_factory.getbasetemp() / "vlm")
     win = ContextWindow(e)
