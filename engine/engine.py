@@ -282,15 +282,16 @@ class Engine:
         self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams
     ) -> Iterator[int]:
         res = self.forward(prompt_ids, past, start, logits="last")
-        if not params.eos_token_ids:
-            params.eos_token_ids = self.eos_token_ids
-        return decode_tokens(self.model, res.cache, res.logits[-1], start + len(prompt_ids), params)
+        return self._decode(res.cache, res.logits[-1], start + len(prompt_ids), params)
 
     def continue_ids(self, prompt: Prefilled, params: SamplingParams) -> Iterator[int]:
         """Decode on from a prompt that was already prefilled (see ``ForwardResult.prefilled``)."""
+        return self._decode(prompt.cache(self.model.config), prompt.logits, prompt.next_position, params)
+
+    def _decode(self, cache: object, logits: torch.Tensor, position: int, params: SamplingParams) -> Iterator[int]:
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
-        return decode_tokens(self.model, prompt.cache(self.model.config), prompt.logits, prompt.next_position, params)
+        return decode_tokens(self.model, cache, logits, position, params)
 
     def generate(self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[str]:
         """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""

@@ -98,8 +98,9 @@ class ContextWindow:
         self._version = 0
         self._cache: tuple[int, Plan, KV] | None = None
         self._last_execution: Execution | None = None
-        # (version, prompt ids, prefill) of the last prompt that rode in the window's trailing forward
-        self._prompt_memo: tuple[int, tuple[int, ...], Prefilled] | None = None
+        # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward; every window
+        # change drops it (``_changed``), so it always belongs to the window as it is
+        self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
         self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
         self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
 
@@ -327,14 +328,14 @@ class ContextWindow:
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
         ids = self._prompt_ids(prompt)
-        plan, past, fused = self._materialise(ids)
+        plan, past = self._materialise(ids)
         t0 = time.perf_counter()
         memo = self._prefilled(ids)
         if memo is not None:  # the prompt rode in the window's trailing forward (now or at an earlier call)
             lp = torch.log_softmax(memo.logits.float(), dim=-1).cpu()
         else:
             lp = self.engine.next_token_logprobs(past, ids, plan.end)
-        self._count_prompt(ids, t0, own_forward=memo is None and not fused)
+        self._count_prompt(ids, t0, own_forward=memo is None)
         return lp
 
     @overload
@@ -379,7 +380,7 @@ class ContextWindow:
         )
         params.validate()
         ids = self._prompt_ids(prompt)
-        plan, past, fused = self._materialise(ids if self.compressor is None else None)
+        plan, past = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
         if memo is not None:
@@ -391,7 +392,7 @@ class ContextWindow:
             pieces = stream_text(tokens, self.engine.tokenizer, params)
         else:
             pieces = self.engine.generate(past, ids, plan.end, params)
-        self._count_prompt(ids, t0, own_forward=memo is None and not fused)
+        self._count_prompt(ids, t0, own_forward=memo is None)
         return pieces if stream else "".join(pieces)
 
     def compress_window(self, prompt: str | Sequence[int]) -> Compressed:
@@ -400,7 +401,7 @@ class ContextWindow:
         if self.compressor is None:
             raise WindowOperationError("this window has no compression policy (pass compress=...)")
         ids = self._prompt_ids(prompt)
-        plan, past, _ = self._materialise()
+        plan, past = self._materialise()
         window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
         vision = torch.tensor(
             [False] * plan.anchor_len + [sp.chunk.kind in VISION_KINDS for sp in plan.slots for _ in sp.chunk.token_ids]
@@ -422,7 +423,7 @@ class ContextWindow:
             raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
         idx = self._index(chunk_id)
         ids = self._prompt_ids(prompt)
-        plan, past, _ = self._materialise()
+        plan, past = self._materialise()
         execution = self._last_execution
         assert execution is not None
         parts = [self.engine.anchor_kv]
@@ -583,18 +584,17 @@ class ContextWindow:
     def _prefilled(self, ids: list[int]) -> Prefilled | None:
         """The prompt's prefill from the window's trailing forward, if it is this prompt on this window."""
         memo = self._prompt_memo
-        if memo is None or memo[0] != self._version or memo[1] != tuple(ids):
+        if memo is None or memo[0] != tuple(ids):
             return None
-        return memo[2]
+        return memo[1]
 
-    def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, KV, bool]:
+    def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, KV]:
         """Plan and assemble the window (cached until the next change). ``prompt``: prefill it in the
-        plan's trailing forward when there is one (kept for ``_prefilled``); the third item says whether
-        it was."""
+        plan's trailing forward when there is one (then kept for ``_prefilled``)."""
         if not self._slots:
             raise WindowOperationError("the window is empty: add a chunk first")
         if self._cache is not None and self._cache[0] == self._version:
-            return self._cache[1], self._cache[2], False
+            return self._cache[1], self._cache[2]
         t0 = time.perf_counter()
         self._flush_stale()
         plan = self.policy.plan(self._view())
@@ -618,10 +618,10 @@ class ContextWindow:
         self._cache = (self._version, plan, execution.assembled)
         self._stats.time("materialise", time.perf_counter() - t0)
         self._log_plan(plan)
-        self._prompt_memo = None
-        if execution.prompt is not None and prompt is not None:
-            self._prompt_memo = (self._version, tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))
-        return plan, execution.assembled, execution.prompt is not None
+        if execution.prompt is not None:  # only when a prompt was passed
+            assert prompt is not None
+            self._prompt_memo = (tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))
+        return plan, execution.assembled
 
     def _log_plan(self, plan: Plan) -> None:
         self._stats.log(Decision(step=self._step, chunk="*", source="plan", reason=plan.summary()))

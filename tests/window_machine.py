@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kamera_engine import KV, Engine
-from kamera_sdk import ContextWindow, Source
+from kamera_sdk import ChunkNotFoundError, ContextWindow, InvalidInputError, Source, WindowOperationError
+
+#: what a refused window operation may raise
+REFUSALS = (InvalidInputError, WindowOperationError, ChunkNotFoundError)
 
 
 class WindowModelMachine(RuleBasedStateMachine):
@@ -37,6 +40,17 @@ class WindowModelMachine(RuleBasedStateMachine):
         if cid in self.evicted:
             self.evicted.remove(cid)
         self.order.append(cid)
+
+    def assert_refused(self, op) -> None:
+        """``op`` on the kamera window must raise a clear error and leave the window as it was."""
+        before = (list(self.kam.chunks), list(self.kam.evicted))
+        try:
+            op(self.kam)
+        except REFUSALS:
+            pass
+        else:
+            raise AssertionError("invalid operation was accepted")
+        assert (self.kam.chunks, self.kam.evicted) == before
 
     def check_survivor(self, got: KV, expect: KV) -> None:
         """A survivor's KV is the rotation of its previous conditioned KV (keys rotated, values carried)."""

@@ -70,6 +70,30 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
+#: 3-axis M-RoPE of the tiny Qwen-VL text models (t, h, w sections over 8 frequency pairs)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+
+
+def _qwen_vision_tokens(tok: Any) -> dict[str, int]:
+    """The special-token ids every Qwen-VL config names."""
+    return {
+        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+    }
+
+
+def _qwen_image_processor(patch: int) -> Any:
+    """A Qwen-VL image processor sized for tiny images: 2 to 16 merged 2x2 patch groups."""
+    import transformers as T
+
+    side = 2 * patch
+    return T.Qwen2VLImageProcessorPil(
+        min_pixels=side * side * 2, max_pixels=side * side * 16, patch_size=patch, merge_size=2
+    )
+
+
 def _text(tok: Any, **extra: Any) -> dict[str, Any]:
     ids = dict(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return {**_TEXT, **ids, **extra}
@@ -86,18 +110,13 @@ def _qwen2_vl(tok: Any) -> tuple[Any, Any]:
     import transformers as T
 
     cfg = T.Qwen2VLConfig(
-        text_config=_text(
-            tok, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-        ),
+        text_config=_text(tok, rope_parameters=_MROPE),
         vision_config=dict(
             depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
         ),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        **_qwen_vision_tokens(tok),
     )
-    ip = T.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2)
+    ip = _qwen_image_processor(patch=14)
     return T.Qwen2VLForConditionalGeneration(cfg), ip
 
 
@@ -105,9 +124,7 @@ def _qwen2_5_vl(tok: Any) -> tuple[Any, Any]:
     import transformers as T
 
     cfg = T.Qwen2_5_VLConfig(
-        text_config=_text(
-            tok, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-        ),
+        text_config=_text(tok, rope_parameters=_MROPE),
         vision_config=dict(
             depth=2,
             hidden_size=32,
@@ -120,12 +137,9 @@ def _qwen2_5_vl(tok: Any) -> tuple[Any, Any]:
             fullatt_block_indexes=[1],
             tokens_per_second=2,
         ),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        **_qwen_vision_tokens(tok),
     )
-    ip = T.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2)
+    ip = _qwen_image_processor(patch=14)
     return T.Qwen2_5_VLForConditionalGeneration(cfg), ip
 
 
@@ -137,7 +151,7 @@ def _qwen3_vl(tok: Any) -> tuple[Any, Any]:
             tok,
             num_hidden_layers=3,
             head_dim=16,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            rope_parameters=_MROPE,
         ),
         vision_config=dict(
             depth=2,
@@ -150,12 +164,9 @@ def _qwen3_vl(tok: Any) -> tuple[Any, Any]:
             num_position_embeddings=64,
             deepstack_visual_indexes=[0, 1],
         ),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        **_qwen_vision_tokens(tok),
     )
-    ip = T.Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2)
+    ip = _qwen_image_processor(patch=16)
     return T.Qwen3VLForConditionalGeneration(cfg), ip
 
 

@@ -239,7 +239,7 @@ def test_prompt_rides_in_the_trailing_forward(engine) -> None:
     st = win.stats()
     assert st.forwards - before == 1  # the new chunks and the prompt: one pass
     assert st.prompt_tokens == len(PROMPT)
-    plan, past, _ = win._materialise()
+    plan, past = win._materialise()
     two_pass = engine.next_token_logprobs(past, PROMPT, plan.end)
     assert (lp - two_pass).abs().max() < 1e-4  # same numbers as prefilling the prompt on the assembled window
     assert torch.equal(win.next_token_logprobs(PROMPT), lp)  # asking again answers from the same prefill
