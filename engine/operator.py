@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fused_apply as fused
 from .errors import InvalidInputError
 from .kv import KV
 from .rope import RopeSpec, apply_rotation_, rotate_keys, rotation_table
@@ -179,6 +180,15 @@ def patch_delta(patch: Patch, num_layers: int, shape_k: torch.Size, shape_v: tor
     return KV(dk, dv, None)
 
 
+def _patch_rows(patch: Patch | None, n_layers: int) -> torch.Tensor | None:
+    """(L,) int64: each layer's row in the patch factors, -1 where the patch does not cover it."""
+    if patch is None:
+        return None
+    rows = torch.full((n_layers,), -1, dtype=torch.int64)
+    rows[list(patch.layers)] = torch.arange(len(patch.layers), dtype=torch.int64)
+    return rows
+
+
 def reconstruct(canonical: KV, patch: Patch | None) -> KV:
     """``canonical + U V^T`` in the position-free frame (the chunk's conditioned KV, rank-m)."""
     if not canonical.is_free:
@@ -188,6 +198,12 @@ def reconstruct(canonical: KV, patch: Patch | None) -> KV:
     n_tok = canonical.keys.shape[1]
     if patch.num_tokens != n_tok:
         raise InvalidInputError(f"patch covers {patch.num_tokens} tokens, canonical has {n_tok}")
+    if fused.usable(canonical.keys, canonical.values):
+        keys, values = torch.empty_like(canonical.keys), torch.empty_like(canonical.values)
+        rows = _patch_rows(patch, canonical.num_layers)
+        fused.run(canonical.keys, keys, (patch.k_u, patch.k_vt), rows, None, None)
+        fused.run(canonical.values, values, (patch.v_u, patch.v_vt), rows, None, None)
+        return KV(keys, values, None)
     keys, values = canonical.keys.clone(), canonical.values.clone()
     idx = torch.tensor(patch.layers, dtype=torch.long)
     # (Lp, T, m) @ (Lp, m, H*D) -> (Lp, T, H*D), added into the patched layers
@@ -213,8 +229,8 @@ def apply_patch(
     ``exact=False`` rotates in the KV dtype (serving path); ``True`` rotates in float64 (reference).
     ``out``: optional preallocated placed KV (same shapes) to write into, e.g. a slot of the window.
 
-    The serving path works layer by layer so each layer's GEMM output is rotated while it is still in
-    cache: one read of the canonical and one write of the result per layer.
+    The serving path runs the fused CPU kernel (``fused_apply``: one pass per row) when it can, else
+    torch layer by layer, so each layer's GEMM output is rotated while it is still in cache.
     """
     if not canonical.is_free:
         raise InvalidInputError("apply_patch wants a position-free canonical")
@@ -235,6 +251,14 @@ def apply_patch(
     keys = out.keys if out is not None else torch.empty_like(canonical.keys)
     values = out.values if out is not None else torch.empty_like(canonical.values)
     cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
+    if spec.style in ("half", "interleaved") and fused.usable(canonical.keys, canonical.values, keys, values):
+        rows = _patch_rows(patch, n_layers)
+        k_f = None if patch is None else (patch.k_u, patch.k_vt)
+        v_f = None if patch is None else (patch.v_u, patch.v_vt)
+        cs = (cos.contiguous(), sin.contiguous())
+        fused.run(canonical.keys, keys, k_f, rows, *cs, rotary_dim=spec.rotary_dim, style=spec.style)
+        fused.run(canonical.values, values, v_f, rows, None, None)
+        return KV(keys, values, tgt)
     fast = spec.style == "half" and spec.rotary_dim == canonical.keys.shape[-1]
     if fast:
         # rotate-half as one multiply-add: x * [c, c] + roll(x, r/2) * [-s, s]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kamera_engine import KV, Engine, apply_patch
+from kamera_engine import KV, Engine, apply_patch, fused_apply
 from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
 
 from ..console import err, track
@@ -215,7 +215,11 @@ def bandwidth(engine: Engine, n: int = 1024) -> dict[str, Any]:
     buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
     kv_bytes = can.nbytes
     t_copy = timed(lambda: (buf.keys.copy_(can.keys), buf.values.copy_(can.values)), repeat=20)
-    result: dict[str, Any] = {"memcpy_gbps": 2 * kv_bytes / t_copy / 1e9, "apply_gbps_by_rank": {}}
+    result: dict[str, Any] = {
+        "memcpy_gbps": 2 * kv_bytes / t_copy / 1e9,
+        "apply_gbps_by_rank": {},
+        "apply_kernel": fused_apply.status(),  # "c" (engine/csrc, fused) or "torch"
+    }
     t_rel = timed(lambda: apply_patch(can, None, e.rope, 5000, out=buf), repeat=20)
     result["relocate_gbps"] = 2 * kv_bytes / t_rel / 1e9
     fractions = {}
