@@ -6,6 +6,12 @@ frames. The engine registers each image / segment once (its vision tower runs th
 kept in the engine's vision embedding cache): adding it again, evicting and recalling it, or
 re-materialising it after a cascade never re-runs the tower.
 
+Prompts can name images MPIC-style: ``add_image(img, ref="EIFFEL2025")`` puts the text
+``IMAGE#EIFFEL2025:`` in front of the image inside its chunk, so a prompt such as "Compare IMAGE#EIFFEL2025
+and IMAGE#LOUVRE2025" reads the names the model saw next to the pictures. A prompt that names an image
+the window does not hold is refused (unknown name, or evicted: recall it first). The vision tower still
+runs once per distinct picture, whatever names it is given.
+
 Works with every policy that serves chunks from KV (``kamera``, ``recompute``, ``prefix``, ``blind``);
 the token-axis baselines that re-run chosen tokens through the layers (``cacheblend``, ``mpic``) and
 KV compression take text chunks only for now.
@@ -13,11 +19,12 @@ KV compression take text chunks only for now.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kamera_engine import UnsupportedModelError
+from kamera_engine import ChunkNotFoundError, InvalidInputError, UnsupportedModelError, WindowOperationError
 from kamera_engine.vision import VisionEngine
 
 from .chunks import Chunk, ChunkId, content_id
@@ -25,6 +32,10 @@ from .media import DEFAULT_LIMITS, FetchLimits, ImageInput, image_digest, load_i
 
 if TYPE_CHECKING:
     from .window import ContextWindow
+
+#: How a prompt names an image (MPIC's IMAGE#ID style) and what a name may be made of.
+REF_PATTERN = re.compile(r"IMAGE#([A-Za-z0-9_]+)")
+_REF_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 #: Policies that serve image chunks (the selective-recompute baselines run token ids through the layers).
 VISION_POLICIES = frozenset({"kamera", "recompute", "prefix", "blind"})
@@ -47,24 +58,61 @@ def _engine(win: ContextWindow, what: str) -> VisionEngine:
 
 
 def _append(
-    win: ContextWindow, engine: VisionEngine, cid: ChunkId, kind: str, register: Any, label: str | None
+    win: ContextWindow,
+    engine: VisionEngine,
+    cid: ChunkId,
+    kind: str,
+    register: Any,
+    label: str | None,
+    prefix: Sequence[int] = (),
 ) -> ChunkId:
     if cid in win._table:
         return win._append_known(cid)
     runs = engine.tower_runs
     entry = register()
     win._stats.vision_tower_runs += engine.tower_runs - runs
-    return win._add(Chunk(cid, kind, list(entry.token_ids), text=label))
+    return win._add(Chunk(cid, kind, [*prefix, *entry.token_ids], text=label))
 
 
-def add_image(win: ContextWindow, image: ImageInput, *, limits: FetchLimits = DEFAULT_LIMITS) -> ChunkId:
-    """Append an image chunk (PIL image, path, bytes or http(s) URL); returns its content id."""
+def add_image(
+    win: ContextWindow, image: ImageInput, *, ref: str | None = None, limits: FetchLimits = DEFAULT_LIMITS
+) -> ChunkId:
+    """Append an image chunk (PIL image, path, bytes or http(s) URL); returns its content id.
+
+    ``ref``: a name (letters, digits, ``_``; at most 64) the prompt can use as ``IMAGE#<ref>``; the chunk
+    then starts with the text ``IMAGE#<ref>:`` so the model reads the name next to the picture.
+    """
     engine = _engine(win, "add_image")
+    if ref is not None and (not isinstance(ref, str) or not _REF_NAME.fullmatch(ref)):
+        raise InvalidInputError(f"image ref {ref!r}: use 1-64 letters, digits or '_' (the prompt says IMAGE#<ref>)")
     img = load_image(image, limits=limits)
     digest = image_digest(img)
-    cid = content_id("image", digest.encode())
-    label = f"[image {img.width}x{img.height}]"
-    return _append(win, engine, cid, "image", lambda: engine.register_image(img, digest), label)
+    if ref is None:
+        cid = content_id("image", digest.encode())
+        label = f"[image {img.width}x{img.height}]"
+        return _append(win, engine, cid, "image", lambda: engine.register_image(img, digest), label)
+    cid = content_id("image", f"{digest}#{ref}".encode())
+    named = win._refs.get(ref)
+    if named is not None and named != cid:
+        raise InvalidInputError(f"IMAGE#{ref} already names another image ({named[:8]}); pick another ref")
+    label = f"[IMAGE#{ref} {img.width}x{img.height}]"
+    prefix = engine.tokenize(f"IMAGE#{ref}: ")
+    chunk_id = _append(win, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
+    win._refs[ref] = chunk_id
+    return chunk_id
+
+
+def check_prompt_refs(win: ContextWindow, prompt: str) -> None:
+    """Refuse a prompt that names an image (``IMAGE#<ref>``) the window does not hold."""
+    for ref in dict.fromkeys(REF_PATTERN.findall(prompt)):
+        cid = win._refs.get(ref)
+        if cid is None:
+            known = "known: " + (", ".join(f"IMAGE#{r}" for r in win._refs) or "none")
+            raise ChunkNotFoundError(f"the prompt names IMAGE#{ref}, but no image was added with that ref ({known})")
+        if cid not in win:
+            raise WindowOperationError(
+                f"the prompt names IMAGE#{ref}, which was evicted from the window: win.recall(win.refs[{ref!r}]) first"
+            )
 
 
 def add_video(

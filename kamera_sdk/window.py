@@ -92,6 +92,7 @@ class ContextWindow:
         self._table = ChunkTable()
         self._slots: list[Slot] = []
         self._evicted: list[ChunkId] = []
+        self._refs: dict[str, ChunkId] = {}  # IMAGE#<ref> names of image chunks (add_image(..., ref=...))
         self._graph = DependencyGraph()
         self._stats = WindowStats(policy=self.policy.name)
         self._step = 0
@@ -119,6 +120,11 @@ class ContextWindow:
         self.close()
 
     # --- inspection ----------------------------------------------------------------------------
+    @property
+    def refs(self) -> dict[str, ChunkId]:
+        """``IMAGE#<ref>`` names given with ``add_image(..., ref=...)``, and the chunks they name."""
+        return dict(self._refs)
+
     @property
     def chunks(self) -> list[ChunkId]:
         """Chunk ids in window order."""
@@ -301,6 +307,7 @@ class ContextWindow:
         child._table = self._table
         child._slots = list(self._slots)  # Slot objects are immutable; tensors shared
         child._evicted = list(self._evicted)
+        child._refs = dict(self._refs)
         child._graph = self._graph.copy()
         child._stats = WindowStats(policy=self.policy.name)
         child._step = self._step
@@ -552,6 +559,10 @@ class ContextWindow:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt must not be empty")
+            if self._refs or "IMAGE#" in prompt:
+                from .vision import check_prompt_refs
+
+                check_prompt_refs(self, prompt)
             return self.engine.prompt_ids(prompt)
         ids = [int(t) for t in prompt]
         if not ids:

@@ -1,0 +1,81 @@
+"""MPIC-style image references: ``add_image(..., ref=...)`` puts ``IMAGE#<ref>:`` in front of the picture,
+prompts name images that way, unknown or evicted names are refused, and the tower runs once per picture."""
+
+from __future__ import annotations
+
+import pytest
+
+from kamera_engine.vision.mechanics import noise_image
+from kamera_sdk import ChunkNotFoundError, ContextWindow, InvalidInputError, WindowOperationError
+from tests.vision.conftest import vlm
+from tests.vision.test_vision_window import _close, reprefill
+
+PROMPT = "Compare IMAGE#EIFFEL2025 and IMAGE#LOUVRE2025."
+
+
+@pytest.fixture
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    return vlm("qwen2_vl", tmp_path_factory.getbasetemp() / "vlm")
+
+
+def test_named_images_carry_their_name_and_serve_like_reprefill(engine) -> None:
+    kam, rec = ContextWindow(engine, rank=32), ContextWindow(engine, policy="recompute")
+    for w in (kam, rec):
+        w.add_text("w1 w2 w3")
+        a = w.add_image(noise_image(7), ref="EIFFEL2025")
+        w.add_image(noise_image(8), ref="LOUVRE2025")
+        w.add_text("w4 w5")
+    name = engine.tokenize("IMAGE#EIFFEL2025: ")
+    assert kam.chunk(a).token_ids[: len(name)] == name
+    assert kam.refs == rec.refs and set(kam.refs) == {"EIFFEL2025", "LOUVRE2025"}
+    ids = engine.prompt_ids(PROMPT)
+    ref = reprefill(rec, ids)
+    assert _close(rec.next_token_logprobs(PROMPT), ref)
+    # reorder makes every image chunk move: relocation + patches, still close to re-prefill
+    for w in (kam, rec):
+        w.reorder(list(reversed(w.chunks)))
+    lp = kam.next_token_logprobs(PROMPT)
+    assert float((lp.exp() * (lp - reprefill(rec, ids))).sum()) < 1e-3
+    assert kam.generate(PROMPT, max_new_tokens=3) is not None
+
+
+def test_names_are_content_and_the_tower_runs_once_per_picture(engine) -> None:
+    win = ContextWindow(engine)
+    runs = engine.tower_runs
+    a = win.add_image(noise_image(21), ref="A")
+    assert win.add_image(noise_image(21), ref="A") == a  # same picture, same name: the same chunk
+    b = win.add_image(noise_image(21), ref="B")  # same picture, another name: another chunk
+    plain = win.add_image(noise_image(21))
+    assert len({a, b, plain}) == 3
+    assert engine.tower_runs - runs == 1
+    assert win.stats().vision_tower_runs == 1
+
+
+def test_bad_names_and_prompts_are_refused_and_leave_the_window_alone(engine) -> None:
+    win = ContextWindow(engine)
+    a = win.add_image(noise_image(31), ref="A")
+    win.add_text("w1 w2")
+    before = (win.chunks, win.refs)
+    with pytest.raises(InvalidInputError, match="IMAGE#A already names another image"):
+        win.add_image(noise_image(32), ref="A")
+    for bad in ("", "two words", "x" * 65, "IMAGE#A"):
+        with pytest.raises(InvalidInputError, match="image ref"):
+            win.add_image(noise_image(33), ref=bad)
+    assert (win.chunks, win.refs) == before
+    with pytest.raises(ChunkNotFoundError, match=r"IMAGE#B.*known: IMAGE#A"):
+        win.next_token_logprobs("What is in IMAGE#B?")
+    win.evict(a)
+    with pytest.raises(WindowOperationError, match=r"IMAGE#A, which was evicted"):
+        win.generate("Describe IMAGE#A.", max_new_tokens=2)
+    win.recall(win.refs["A"])
+    assert win.next_token_logprobs("Describe IMAGE#A.").shape[0] > 0
+
+
+def test_forks_keep_the_names(engine) -> None:
+    win = ContextWindow(engine)
+    win.add_image(noise_image(41), ref="A")
+    child = win.fork()
+    child.add_image(noise_image(42), ref="B")
+    assert set(child.refs) == {"A", "B"} and set(win.refs) == {"A"}
+    with pytest.raises(ChunkNotFoundError):
+        win.next_token_logprobs("IMAGE#B?")
