@@ -7,6 +7,11 @@ layer; :func:`to_cache` / :func:`KV.from_cache` convert at the boundary.
 
 ``positions`` says which frame the keys are in: ``None`` = position-free (every key rotated to angle 0,
 what Kamera stores), otherwise the (T,) absolute positions the keys are rotated to.
+
+``deltas`` (M-RoPE vision tokens only) is a property of the tokens, not of the frame: per token, its
+(t, h, w) position minus its linear position. A token at linear position ``p`` sits at ``p + delta`` on
+each axis, so placing it needs the deltas; they travel with the KV through slice, cat, clone and ``to``
+(``None``: every delta is 0, as for text).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class KV:
     keys: torch.Tensor  # (L, T, H, Dk)
     values: torch.Tensor  # (L, T, H, Dv)
     positions: torch.Tensor | None = None  # (T,) long, or None when position-free
+    deltas: torch.Tensor | None = None  # (T, 3) long: M-RoPE axis offsets per token, or None (all 0)
 
     def __post_init__(self) -> None:
         if self.keys.ndim != 4 or self.values.ndim != 4:
@@ -40,6 +46,8 @@ class KV:
             )
         if self.positions is not None and self.positions.shape != (self.keys.shape[1],):
             raise InvalidInputError(f"positions shape {tuple(self.positions.shape)} != ({self.keys.shape[1]},)")
+        if self.deltas is not None and self.deltas.shape != (self.keys.shape[1], 3):
+            raise InvalidInputError(f"deltas shape {tuple(self.deltas.shape)} != ({self.keys.shape[1]}, 3)")
 
     def __len__(self) -> int:
         return int(self.keys.shape[1])
@@ -59,15 +67,22 @@ class KV:
     def slice(self, start: int, stop: int) -> KV:
         """Tokens ``[start, stop)`` as views (no copy)."""
         pos = None if self.positions is None else self.positions[start:stop]
-        return KV(self.keys[:, start:stop], self.values[:, start:stop], pos)
+        deltas = None if self.deltas is None else self.deltas[start:stop]
+        return KV(self.keys[:, start:stop], self.values[:, start:stop], pos, deltas)
 
     def clone(self) -> KV:
         pos = None if self.positions is None else self.positions.clone()
-        return KV(self.keys.clone(), self.values.clone(), pos)
+        deltas = None if self.deltas is None else self.deltas.clone()
+        return KV(self.keys.clone(), self.values.clone(), pos, deltas)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KV:
         pos = None if self.positions is None else self.positions.to(device) if device else self.positions
-        return KV(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), pos)
+        deltas = None if self.deltas is None else self.deltas.to(device) if device else self.deltas
+        return KV(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), pos, deltas)
+
+    def with_deltas(self, deltas: torch.Tensor | None) -> KV:
+        """The same tensors with ``deltas`` attached (for results of functions that drop them)."""
+        return KV(self.keys, self.values, self.positions, deltas)
 
     @staticmethod
     def cat(parts: Sequence[KV]) -> KV:
@@ -79,7 +94,13 @@ class KV:
         keys = torch.cat([p.keys for p in parts], dim=1)
         values = torch.cat([p.values for p in parts], dim=1)
         pos = None if parts[0].positions is None else torch.cat([p.positions for p in parts])  # type: ignore[misc]
-        return KV(keys, values, pos)
+        deltas = None
+        ref = next((p.deltas for p in parts if p.deltas is not None), None)
+        if ref is not None:  # parts without deltas (text) carry zeros
+            deltas = torch.cat(
+                [ref.new_zeros(len(p), 3) if p.deltas is None else p.deltas.to(ref.device) for p in parts]
+            )
+        return KV(keys, values, pos, deltas)
 
     @staticmethod
     def from_cache(cache: DynamicCache, start: int, stop: int, positions: torch.Tensor | None) -> KV:

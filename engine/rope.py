@@ -74,7 +74,7 @@ def _as_positions(positions: torch.Tensor | int | range, n: int) -> torch.Tensor
 
 def rotation_table(
     spec: RopeSpec,
-    target: torch.Tensor,
+    target: torch.Tensor | None,
     source: torch.Tensor | None = None,
     *,
     dtype: torch.dtype = torch.float64,
@@ -82,11 +82,16 @@ def rotation_table(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of ``angle(target) - angle(source)`` per token: (T, rotary_dim // 2) each.
 
-    ``source=None`` means the keys are position-free (angle 0).
+    ``None`` (source or target) means position-free: every rotary pair at angle 0.
     """
-    ang = spec.angles(target)
-    if source is not None:
-        ang = ang - spec.angles(source)
+    if target is None and source is None:
+        raise InvalidInputError("rotation_table needs a target or a source")
+    if target is None:
+        ang = -spec.angles(source)  # type: ignore[arg-type]
+    else:
+        ang = spec.angles(target)
+        if source is not None:
+            ang = ang - spec.angles(source)
     cos, sin = torch.cos(ang), torch.sin(ang)
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
@@ -94,19 +99,19 @@ def rotation_table(
 def rotate_keys(
     keys: torch.Tensor,
     spec: RopeSpec,
-    target: torch.Tensor | int,
+    target: torch.Tensor | int | None,
     source: torch.Tensor | int | None = None,
     *,
     exact: bool = True,
 ) -> torch.Tensor:
-    """Rotate keys from ``source`` positions (``None``: position-free) to ``target`` positions.
+    """Rotate keys from ``source`` positions to ``target`` positions (``None``: position-free).
 
     keys: (..., T, H, D) with the token axis third from the end (Kamera's token-major layout).
     Returns a new tensor of the same dtype. ``exact=True`` rotates in float64 (reference quality);
     ``exact=False`` rotates in the key dtype (the fast serving path, error ~1 ulp of the dtype).
     """
     n = keys.shape[-3]
-    tgt = _as_positions(target, n)
+    tgt = None if target is None else _as_positions(target, n)
     src = None if source is None else _as_positions(source, n)
     work = torch.float64 if exact else keys.dtype
     cos, sin = rotation_table(spec, tgt, src, dtype=work, device=keys.device)

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 from kamera_engine import KV, Engine, Patch
 
-from .chunks import Chunk, StoredPatch, antecedent_signature
+from .chunks import VISION_KINDS, Chunk, StoredPatch, antecedent_signature
 from .stats import WindowStats
 from .store import ChunkStore, EntryKey, EntryKind, StoreEntry
 
@@ -34,7 +34,7 @@ class Persistence:
         self._prefetched: dict[str, Future[StoreEntry | None]] = {}
 
     def canonical_key(self, chunk: Chunk) -> EntryKey:
-        return EntryKey(self.fingerprint, EntryKind.CANONICAL, chunk.id, self.canonical_variant)
+        return EntryKey(self.fingerprint, EntryKind.CANONICAL, chunk.id, self.canonical_variant + _frame(chunk))
 
     def prefetch(self, chunks: list[Chunk]) -> None:
         """Start loading canonicals in the background so they overlap with forwards of other chunks."""
@@ -48,14 +48,16 @@ class Persistence:
         if entry is None:
             return None
         self.stats.store_loads += 1
-        return KV(entry.tensors["keys"], entry.tensors["values"], None)
+        return KV(entry.tensors["keys"], entry.tensors["values"], None, entry.tensors.get("deltas"))
 
     def save_canonical(self, chunk: Chunk, kv: KV) -> None:
         tensors = {"keys": kv.keys.contiguous(), "values": kv.values.contiguous()}
+        if kv.deltas is not None:  # M-RoPE vision tokens: placing them needs their axis offsets
+            tensors["deltas"] = kv.deltas.cpu().contiguous()
         self.store.put(StoreEntry(self.canonical_key(chunk), tensors, {"tokens": str(len(chunk))}))
 
     def _patch_key(self, chunk: Chunk, variant: str) -> EntryKey:
-        return EntryKey(self.fingerprint, EntryKind.PATCH, chunk.id, variant)
+        return EntryKey(self.fingerprint, EntryKind.PATCH, chunk.id, variant + _frame(chunk))
 
     def _variant(self, stored: StoredPatch) -> str:
         return f"{stored.kind}:{antecedent_signature(stored.antecedent)}:r{stored.patch.rank}:a{self.anchor}"
@@ -95,3 +97,9 @@ class Persistence:
             out.append(StoredPatch(patch, antecedent, entry.meta["kind"], int(entry.meta.get("orderings", "1"))))
             self.stats.store_loads += 1
         return out
+
+
+def _frame(chunk: Chunk) -> str:
+    """Key suffix of a chunk's position-free frame. Vision chunks: every M-RoPE axis at angle 0, deltas
+    stored with the canonical; entries written in the older linear frame (no suffix) are never read."""
+    return ";frame=axes" if chunk.kind in VISION_KINDS else ""

@@ -8,10 +8,12 @@ from . import idefics3, kimi_k25, llava, qwen2_vl, qwen3_vl  # noqa: F401  (regi
 from .base import FAMILIES, Features, MediaInput, VisionFamily, family_for, register_family
 from .cache import VisionCache, VisionCacheStats
 from .engine import MediaEntry, VisionEngine
+from .mrope import MRopeSpec
 
 __all__ = [
     "FAMILIES",
     "Features",
+    "MRopeSpec",
     "MediaEntry",
     "MediaInput",
     "VisionCache",

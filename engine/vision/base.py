@@ -122,6 +122,10 @@ class VisionFamily:
         """(T, 3) native chunk-relative positions per axis (M-RoPE families), or None."""
         return None
 
+    def rope_axes(self, n_freq: int) -> torch.Tensor | None:
+        """(n_freq,) long: the M-RoPE axis (0 t, 1 h, 2 w) each rotary frequency follows, or None (1-D RoPE)."""
+        return None
+
     def position_ids(self, linear: torch.Tensor, deltas: torch.Tensor | None) -> torch.Tensor:
         """Positions the language model takes for tokens at ``linear`` (T,) with 3-axis ``deltas`` (T, 3)."""
         if not self.mrope:

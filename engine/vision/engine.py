@@ -13,11 +13,13 @@ token ids like any other:
 * **Positions.** Every token advances the window's linear position by one. A vision token at linear
   position ``p`` gets, on M-RoPE families, the 3-axis position ``p + delta``, where ``delta`` is its
   native chunk-relative (t, h, w) offset minus its index in the chunk (the model's own ``get_rope_index``
-  on the chunk alone). Moving a chunk by ``d`` therefore shifts all three axes by ``d``: per rotary
-  frequency that is the 1-D rotation ``d * inv_freq``, so relocation is the text operator unchanged,
-  and a placed key's free frame keeps the chunk-relative 3-axis phase (it is "at linear 0").
-  (The native layout packs the text after an image at ``max(t, h, w) + 1``; here it continues at the
-  chunk's token count, the same for every policy and for re-prefill.)
+  on the chunk alone). Moving a chunk by ``d`` therefore shifts all three axes by ``d``. The deltas
+  travel with the chunk's KV (``KV.deltas``), and the operator runs with a spec bound to them
+  (``mrope.MRopeSpec``), which takes each rotary frequency's float32 angle on its own axis, exactly as
+  transformers does: relocation is as exact as for text, and position-free keys of vision tokens are
+  at angle 0 like every other key. (The native layout packs the text after an image at
+  ``max(t, h, w) + 1``; here it continues at the chunk's token count, the same for every policy and for
+  re-prefill.)
 * **MLA.** DeepSeek-V2/V3 attention caches the RoPE-free latent and the decoupled ``k_pe`` band in the
   cache's key and value slots; such families set ``rope_in_values`` and relocation rotates only the
   band (the latent is carried byte for byte), while the patch covers both channels.
@@ -39,10 +41,11 @@ from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from ..kv import KV, to_cache
 from ..operator import Patch
-from ..rope import RopeSpec
+from ..rope import RopeSpec, rotate_keys
 from ..runner import ForwardResult
 from .base import Features, MediaInput, VisionFamily, family_for
 from .cache import VisionCache, tensors_device
+from .mrope import MRopeSpec
 
 
 @dataclass(slots=True)
@@ -86,6 +89,9 @@ class VisionEngine(Engine):
             if r != self.value_dim:
                 raise UnsupportedModelError(f"{self.name}: RoPE band of {r} features != cached {self.value_dim}")
             self._vspec = RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
+        base = self._vspec or self.rope
+        axes = self.family.rope_axes(base.rotary_dim // 2)
+        self._mrope: MRopeSpec | None = None if axes is None else MRopeSpec.of(base, axes)
         self.vision_cache = VisionCache(self.fingerprint, cache_dir)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -249,7 +255,7 @@ class VisionEngine(Engine):
         hidden = out.last_hidden_state
         head = self.family.lm_head()
         lg = head(hidden[0] if logits == "all" else hidden[0, -1:]).float()
-        new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, linear)
+        new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, linear).with_deltas(deltas)
         return ForwardResult(new_kv, lg, out.past_key_values)
 
     def _text_config(self) -> Any:
@@ -265,18 +271,37 @@ class VisionEngine(Engine):
         res = self.forward(ids, past, start, logits="none")
         return self.make_free(res.kv.to("cpu"))
 
-    # --- the operator when the cache's value slot holds the RoPE band (MLA) -------------------------
-    # MLA caches (latent, k_pe) in the (key, value) slots: every operator call runs on the swapped KV,
-    # so the rotation lands on k_pe and the latent is carried byte for byte; patches are swapped back.
+    # --- the operator: M-RoPE angles per token, and MLA's RoPE band in the value slot -------------------
+    # Every call runs with the spec bound to the KV's deltas (``_spec``), so vision tokens get their
+    # per-axis float32 angles; results get the deltas back (the operator's functions drop them).
+    # MLA caches (latent, k_pe) in the (key, value) slots: every operator call runs on the swapped KV
+    # (``_view``), so the rotation lands on k_pe and the latent is carried byte for byte; patches are
+    # swapped back.
+    def _spec(self, deltas: torch.Tensor | None) -> RopeSpec:
+        if self._mrope is not None and deltas is not None:
+            return self._mrope.bind(deltas)
+        return self._vspec or self.rope
+
+    def _view(self, kv: KV) -> KV:
+        return _swap(kv) if self._vspec is not None else kv
+
+    def _view_patch(self, patch: Patch | None) -> Patch | None:
+        return _swap_patch(patch) if patch is not None and self._vspec is not None else patch
+
     def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
-        if self._vspec is None:
-            return super().relocate(kv, target, exact=exact)
-        return _swap(op.relocate(_swap(kv), self._vspec, target, exact=exact))
+        moved = op.relocate(self._view(kv), self._spec(kv.deltas), target, exact=exact)
+        return self._view(moved).with_deltas(kv.deltas)
 
     def make_free(self, kv: KV) -> KV:
-        if self._vspec is None:
-            return super().make_free(kv)
-        return _swap(op.make_free(_swap(kv), self._vspec))
+        # rotated to angle 0, not to position 0 (a vision token at linear 0 still has its deltas' phase)
+        if kv.positions is None:
+            return kv
+        view = self._view(kv)
+        keys = rotate_keys(view.keys, self._spec(kv.deltas), None, view.positions)
+        return self._view(KV(keys, view.values, None)).with_deltas(kv.deltas)
+
+    def reconstruct(self, canonical: KV, patch: Patch | None) -> KV:
+        return op.reconstruct(canonical, patch).with_deltas(canonical.deltas)
 
     def form_patch(
         self,
@@ -287,19 +312,16 @@ class VisionEngine(Engine):
         layers: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ) -> Patch:
-        if self._vspec is None:
-            return super().form_patch(conditioned, canonical, rank, layers=layers, dtype=dtype)
         items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
-        patch = op.form_patch(
-            [_swap(c) for c in items], _swap(canonical), self._vspec, rank, layers=layers, dtype=dtype
-        )
-        return _swap_patch(patch)
+        free = [self._view(self.make_free(c)) for c in items]
+        spec = self._spec(canonical.deltas)
+        patch = op.form_patch(free, self._view(canonical), spec, rank, layers=layers, dtype=dtype)
+        return _swap_patch(patch) if self._vspec is not None else patch
 
     def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
-        if self._vspec is None:
-            return super().apply(canonical, patch, target, exact=exact)
-        swapped = None if patch is None else _swap_patch(patch)
-        return _swap(op.apply_patch(_swap(canonical), swapped, self._vspec, target, exact=exact))
+        spec = self._spec(canonical.deltas)
+        placed = op.apply_patch(self._view(canonical), self._view_patch(patch), spec, target, exact=exact)
+        return self._view(placed).with_deltas(canonical.deltas)
 
     # --- reporting ------------------------------------------------------------------------------
     @property
@@ -308,7 +330,7 @@ class VisionEngine(Engine):
 
 
 def _swap(kv: KV) -> KV:
-    return KV(kv.values, kv.keys, kv.positions)
+    return KV(kv.values, kv.keys, kv.positions, kv.deltas)
 
 
 def _swap_patch(p: Patch) -> Patch:

@@ -4,7 +4,11 @@
 (``tiny.py``), loads it through ``from_pretrained`` and measures, for image chunks:
 
 * ``relocation_max_abs_err``: a canonical relocated to position ``d`` against the same chunk
-  prefilled (after the same anchor) at ``d``, max over keys and values, per target distance;
+  prefilled (after the same anchor) at ``d``, max over keys and values, per target distance. Beyond
+  layer 0 this includes the prefill's own float32 drift with absolute position (attention rounds
+  differently at ``d``), the same for text tokens;
+* ``rotation_max_abs_err``: the same comparison on layer 0 only, whose pre-RoPE keys do not depend on
+  position: the relocation against transformers' own RoPE at ``d`` (per-axis angles on M-RoPE);
 * ``survivor_max_abs_err``: an image chunk's conditioned KV (after another image) relocated by ``d``
   against the whole run prefilled ``d`` later;
 * ``full_rank_max_abs_err``: a full-rank patch against the conditioned KV;
@@ -30,7 +34,7 @@ from PIL import Image
 from ..kv import KV
 from .engine import VisionEngine
 
-DISTANCES = (37, 300, 1000, 4000)
+DISTANCES = (37, 300, 1000, 4000, 30000)
 
 
 def noise_image(seed: int, size: tuple[int, int] = (100, 80)) -> Image.Image:
@@ -46,19 +50,25 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def _maxerr(a: KV, b: KV) -> float:
-    return max((a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
+def _maxerr(a: KV, b: KV, layers: slice = slice(None)) -> float:
+    return max(
+        (a.keys[layers] - b.keys[layers]).abs().max().item(), (a.values[layers] - b.values[layers]).abs().max().item()
+    )
 
 
 def measure(engine: VisionEngine, ranks: tuple[int, ...] = (4, 32)) -> dict[str, Any]:
     anchor = engine.anchor_ids
     a_ids, b_ids = _register(engine, 1), _register(engine, 2)
     q_ids = engine.tokenize("Question: w3 w4 w5")
-    out: dict[str, Any] = {"chunk_tokens": len(b_ids), "relocation_max_abs_err": {}, "survivor_max_abs_err": {}}
+    out: dict[str, Any] = {"chunk_tokens": len(b_ids)}
+    for name in ("relocation_max_abs_err", "rotation_max_abs_err", "survivor_max_abs_err"):
+        out[name] = {}
     can_b = engine.canonical(b_ids)
     for d in DISTANCES:
         ref = engine.forward(anchor + b_ids, None, d, logits="none").kv.slice(len(anchor), len(anchor) + len(b_ids))
-        out["relocation_max_abs_err"][d] = _maxerr(engine.apply(can_b, None, d + len(anchor), exact=True), ref)
+        placed = engine.apply(can_b, None, d + len(anchor), exact=True)
+        out["relocation_max_abs_err"][d] = _maxerr(placed, ref)
+        out["rotation_max_abs_err"][d] = _maxerr(placed, ref, slice(0, 1))
     full = anchor + a_ids + b_ids
     start_b = len(anchor) + len(a_ids)
     ref_run = engine.forward(full, None, 0, logits="none").kv
@@ -108,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for fam, r in report.items():
             reloc = max(r["relocation_max_abs_err"].values())
+            rot = max(r["rotation_max_abs_err"].values())
             surv = max(r["survivor_max_abs_err"].values())
             print(
-                f"{fam:12s} tokens={r['chunk_tokens']:3d} reloc={reloc:.2e} survivor={surv:.2e}"
+                f"{fam:12s} tokens={r['chunk_tokens']:3d} reloc={reloc:.2e} rotation={rot:.2e} survivor={surv:.2e}"
                 f" full_rank={r['full_rank_max_abs_err']:.2e} blind_kl={r['blind_kl']:.3e} "
                 + " ".join(f"r{k}_kl={v:.3e}" for k, v in r["patch_kl"].items())
             )

@@ -4,7 +4,8 @@ An image chunk is ``<|vision_start|> <|image_pad|> * N <|vision_end|>`` with ``N
 (the processor's own expansion rule); a video segment uses ``<|video_pad|>``. Vision tokens take the
 chunk-relative 3-axis positions the model's ``get_rope_index`` gives them (Qwen2.5-VL scales the
 temporal axis by ``tokens_per_second * seconds per temporal grid``); relocation shifts all three axes by
-the same offset, which per rotary frequency is a plain 1-D rotation (see ``engine.py``).
+the same offset, with each rotary frequency's float32 angle taken on its own axis (contiguous
+``mrope_section`` sections; see ``mrope.py``).
 
 Video frames are patchified here in the video processor's layout (pairs of frames per temporal patch,
 the last frame repeated to fill a pair), so no torchvision is needed.
@@ -20,6 +21,7 @@ import torch
 from ..adapters.base import register
 from ..errors import UnsupportedModelError
 from .base import Features, MediaInput, VisionAdapter, VisionFamily, register_family
+from .mrope import section_axes
 
 
 @register
@@ -40,6 +42,19 @@ class Qwen2VLFamily(VisionFamily):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         if section and sum(section) != head_dim // 2:
             raise UnsupportedModelError(f"mrope_section {section} does not cover head_dim/2 = {head_dim // 2}")
+
+    def mrope_section(self) -> list[int]:
+        """Rotary frequencies per axis (t, h, w), as the model's rotary embedding uses them."""
+        rotary = getattr(self.language_model(), "rotary_emb", None)
+        section = getattr(rotary, "mrope_section", None)
+        if section is None:
+            section = (self.config.get_text_config().rope_parameters or {}).get("mrope_section")
+        if not section:
+            raise UnsupportedModelError(f"{self.config.model_type}: no mrope_section in the text config")
+        return [int(x) for x in section]
+
+    def rope_axes(self, n_freq: int) -> torch.Tensor:
+        return section_axes(self.mrope_section(), n_freq)
 
     # --- processing -------------------------------------------------------------------------------
     def _image_processor(self) -> Any:

@@ -3,9 +3,9 @@ vision-tower depths are added to the hidden states of the vision tokens after th
 
 The deepstack rows are part of each image's cached features and are re-injected in every forward that
 contains the image, so the canonical ``KV(B | ∅)`` of an image chunk carries them, as does any conditioned
-forward. Relocation is the 3-axis shift of Qwen2-VL (interleaving assigns each rotary frequency to one
-axis; a common shift is still ``d * inv_freq`` per frequency). Video segments are served as consecutive
-images (Qwen3-VL's own video layout interleaves timestamp text between frames).
+forward. Relocation is the 3-axis shift of Qwen2-VL, with the interleaved frequency-to-axis map (t, h, w,
+t, h, w, ...; see ``mrope.py``). Video segments are served as consecutive images (Qwen3-VL's own video
+layout interleaves timestamp text between frames).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from ..adapters.base import register
 from .base import Features, MediaInput, VisionAdapter, VisionFamily, register_family
+from .mrope import interleaved_axes
 from .qwen2_vl import Qwen2VLFamily
 
 
@@ -34,6 +35,9 @@ class Qwen3VLFamily(Qwen2VLFamily):
 
     def prepare_video(self, frames: list[Any], fps: float) -> MediaInput:
         return VisionFamily.prepare_video(self, frames, fps)
+
+    def rope_axes(self, n_freq: int) -> torch.Tensor:
+        return interleaved_axes(self.mrope_section(), n_freq)
 
     def _features(self, out: Any) -> Features:
         pooled = out.pooler_output

@@ -153,6 +153,23 @@ def test_deepstack_survivor_removal_patch(tmp_path_factory: pytest.TempPathFacto
     assert win.plan().slots[1].source is Source.PATCH
 
 
+def test_image_canonicals_persist_with_their_deltas(tmp_path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A stored image canonical comes back with its M-RoPE deltas: a later window on the same store serves
+    it with no forward, exactly as the window that computed it."""
+    e = vlm("qwen2_vl", tmp_path_factory.getbasetemp() / "vlm")
+    prompt = e.prompt_ids(PROMPT_TEXT)
+    served = []
+    for computed in (2, 0):
+        with ContextWindow(e, policy="blind", store=tmp_path / "s") as win:
+            win.add_text("w1 w2 w3 w4")
+            cid = win.add_image(noise_image(131))
+            served.append(win.next_token_logprobs(prompt))
+            assert win.stats().canonicals_computed == computed
+            deltas = win.chunk(cid).canonical.deltas
+            assert deltas is not None and deltas.abs().sum() > 0
+    assert torch.equal(served[0], served[1])
+
+
 def test_inputs_from_paths_bytes_and_frames(tmp_path_factory: pytest.TempPathFactory, tmp_path) -> None:
     e = vlm("llava", tmp_path_factory.getbasetemp() / "vlm")
     win = ContextWindow(e)
