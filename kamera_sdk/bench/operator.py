@@ -107,7 +107,11 @@ def fidelity(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
 
 
 def anchor_choice(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
-    """Blind KL with the chat header as the canonical's anchor vs no anchor at all (choose by data)."""
+    """Blind KL with the chat header as the canonical's anchor vs no anchor at all.
+
+    ``lower_blind_kl`` says which this probe set favours; ``in_use`` is the engine's anchor (the header:
+    docs/operator.md explains why it stays when the probes favour none).
+    """
     with_header, none = [], []
     for probe in track(probes, "anchor choice"):
         run = _ProbeRun(engine, probe)
@@ -118,8 +122,14 @@ def anchor_choice(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
         ]
         bare[0] = engine.apply(run.can[0], None, run.starts[0])  # the leading chunk is exact either way
         none.append(kl(run.ref, run.logprobs(bare)))
-    chosen = "chat_header" if mean(with_header) <= mean(none) else "none"
-    return {"blind_kl_chat_header": mean(with_header), "blind_kl_no_anchor": mean(none), "chosen": chosen}
+    lower = "chat_header" if mean(with_header) <= mean(none) else "none"
+    in_use = "chat_header" if len(engine.anchor_ids) else "none"
+    return {
+        "blind_kl_chat_header": mean(with_header),
+        "blind_kl_no_anchor": mean(none),
+        "lower_blind_kl": lower,
+        "in_use": in_use,
+    }
 
 
 def reorder_arms(engine: Engine, probes: list[Probe], rank: int = 32) -> dict[str, Any]:
