@@ -74,12 +74,15 @@ class Patch:
 
 
 def make_free(kv: KV, spec: RopeSpec) -> KV:
-    """Un-rotate a placed KV to the position-free frame (exact, float64 rotation)."""
+    """Un-rotate a placed KV to the position-free frame, every rotary pair at angle 0 (exact, float64).
+
+    Angle 0 rather than "position 0": the same for text, not for an M-RoPE vision token, whose axes sit
+    at its deltas' offsets from its linear position. Like every function here, keeps ``kv.deltas``.
+    """
     if kv.positions is None:
         return kv
-    zeros = torch.zeros_like(kv.positions)
-    keys = rotate_keys(kv.keys, spec, zeros, kv.positions)
-    return KV(keys, kv.values, None)
+    keys = rotate_keys(kv.keys, spec, None, kv.positions)
+    return KV(keys, kv.values, None, kv.deltas)
 
 
 def relocate(kv: KV, spec: RopeSpec, target: torch.Tensor | int, *, exact: bool = True) -> KV:
@@ -90,7 +93,7 @@ def relocate(kv: KV, spec: RopeSpec, target: torch.Tensor | int, *, exact: bool 
     n = len(kv)
     tgt = torch.arange(target, target + n) if isinstance(target, int) else target.to(torch.long)
     keys = rotate_keys(kv.keys, spec, tgt, kv.positions, exact=exact)
-    return KV(keys, kv.values, tgt)
+    return KV(keys, kv.values, tgt, kv.deltas)
 
 
 def _stack_heads(x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +192,27 @@ def _patch_rows(patch: Patch | None, n_layers: int) -> torch.Tensor | None:
     return rows
 
 
+def _fused(
+    src: KV,
+    patch: Patch | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    spec: RopeSpec | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
+    """``keys, values = R(cos, sin) · (src + U V^T)`` with the fused kernel (no rotation without ``spec``)."""
+    rows = _patch_rows(patch, src.num_layers)
+    k_f = None if patch is None else (patch.k_u, patch.k_vt)
+    v_f = None if patch is None else (patch.v_u, patch.v_vt)
+    if spec is None or cos is None or sin is None:
+        fused.run(src.keys, keys, k_f, rows, None, None)
+    else:
+        cs = (cos.contiguous(), sin.contiguous())
+        fused.run(src.keys, keys, k_f, rows, *cs, rotary_dim=spec.rotary_dim, style=spec.style)
+    fused.run(src.values, values, v_f, rows, None, None)
+
+
 def reconstruct(canonical: KV, patch: Patch | None) -> KV:
     """``canonical + U V^T`` in the position-free frame (the chunk's conditioned KV, rank-m)."""
     if not canonical.is_free:
@@ -200,10 +224,8 @@ def reconstruct(canonical: KV, patch: Patch | None) -> KV:
         raise InvalidInputError(f"patch covers {patch.num_tokens} tokens, canonical has {n_tok}")
     if fused.usable(canonical.keys, canonical.values):
         keys, values = torch.empty_like(canonical.keys), torch.empty_like(canonical.values)
-        rows = _patch_rows(patch, canonical.num_layers)
-        fused.run(canonical.keys, keys, (patch.k_u, patch.k_vt), rows, None, None)
-        fused.run(canonical.values, values, (patch.v_u, patch.v_vt), rows, None, None)
-        return KV(keys, values, None)
+        _fused(canonical, patch, keys, values)
+        return KV(keys, values, None, canonical.deltas)
     keys, values = canonical.keys.clone(), canonical.values.clone()
     idx = torch.tensor(patch.layers, dtype=torch.long)
     # (Lp, T, m) @ (Lp, m, H*D) -> (Lp, T, H*D), added into the patched layers
@@ -211,7 +233,7 @@ def reconstruct(canonical: KV, patch: Patch | None) -> KV:
     dv = torch.bmm(patch.v_u.to(values.dtype), patch.v_vt.to(values.dtype)).view(len(idx), n_tok, *values.shape[2:])
     keys.index_add_(0, idx, dk)
     values.index_add_(0, idx, dv)
-    return KV(keys, values, None)
+    return KV(keys, values, None, canonical.deltas)
 
 
 def apply_patch(
@@ -246,19 +268,14 @@ def apply_patch(
         if out is not None:
             out.keys.copy_(keys)
             out.values.copy_(free.values)
-            return KV(out.keys, out.values, tgt)
-        return KV(keys, free.values.clone() if patch is None else free.values, tgt)
+            return KV(out.keys, out.values, tgt, canonical.deltas)
+        return KV(keys, free.values.clone() if patch is None else free.values, tgt, canonical.deltas)
     keys = out.keys if out is not None else torch.empty_like(canonical.keys)
     values = out.values if out is not None else torch.empty_like(canonical.values)
     cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
     if spec.style in ("half", "interleaved") and fused.usable(canonical.keys, canonical.values, keys, values):
-        rows = _patch_rows(patch, n_layers)
-        k_f = None if patch is None else (patch.k_u, patch.k_vt)
-        v_f = None if patch is None else (patch.v_u, patch.v_vt)
-        cs = (cos.contiguous(), sin.contiguous())
-        fused.run(canonical.keys, keys, k_f, rows, *cs, rotary_dim=spec.rotary_dim, style=spec.style)
-        fused.run(canonical.values, values, v_f, rows, None, None)
-        return KV(keys, values, tgt)
+        _fused(canonical, patch, keys, values, spec, cos, sin)
+        return KV(keys, values, tgt, canonical.deltas)
     fast = spec.style == "half" and spec.rotary_dim == canonical.keys.shape[-1]
     if fast:
         # rotate-half as one multiply-add: x * [c, c] + roll(x, r/2) * [-s, s]
@@ -288,4 +305,4 @@ def apply_patch(
         else:
             keys[layer].copy_(k_src)
             apply_rotation_(keys[layer], cos, sin, spec)
-    return KV(keys, values, tgt)
+    return KV(keys, values, tgt, canonical.deltas)

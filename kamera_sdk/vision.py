@@ -87,18 +87,15 @@ def add_image(
         raise InvalidInputError(f"image ref {ref!r}: use 1-64 letters, digits or '_' (the prompt says IMAGE#<ref>)")
     img = load_image(image, limits=limits)
     digest = image_digest(img)
-    if ref is None:
-        cid = content_id("image", digest.encode())
-        label = f"[image {img.width}x{img.height}]"
-        return _append(win, engine, cid, "image", lambda: engine.register_image(img, digest), label)
-    cid = content_id("image", f"{digest}#{ref}".encode())
-    named = win._refs.get(ref)
-    if named is not None and named != cid:
-        raise InvalidInputError(f"IMAGE#{ref} already names another image ({named[:8]}); pick another ref")
-    label = f"[IMAGE#{ref} {img.width}x{img.height}]"
-    prefix = engine.tokenize(f"IMAGE#{ref}: ")
+    name = "image" if ref is None else f"IMAGE#{ref}"
+    label = f"[{name} {img.width}x{img.height}]"
+    prefix = [] if ref is None else engine.tokenize(f"{name}: ")  # a name is part of the chunk's content
+    cid = content_id("image", (digest if ref is None else f"{digest}#{ref}").encode())
+    if ref is not None and win._refs.get(ref, cid) != cid:
+        raise InvalidInputError(f"IMAGE#{ref} already names another image ({win._refs[ref][:8]}); pick another ref")
     chunk_id = _append(win, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
-    win._refs[ref] = chunk_id
+    if ref is not None:
+        win._refs[ref] = chunk_id
     return chunk_id
 
 

@@ -41,7 +41,7 @@ from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from ..kv import KV, to_cache
 from ..operator import Patch
-from ..rope import RopeSpec, rotate_keys
+from ..rope import RopeSpec
 from ..runner import ForwardResult
 from .base import Features, MediaInput, VisionFamily, family_for
 from .cache import VisionCache, tensors_device
@@ -273,7 +273,7 @@ class VisionEngine(Engine):
 
     # --- the operator: M-RoPE angles per token, and MLA's RoPE band in the value slot -------------------
     # Every call runs with the spec bound to the KV's deltas (``_spec``), so vision tokens get their
-    # per-axis float32 angles; results get the deltas back (the operator's functions drop them).
+    # per-axis float32 angles (the operator's functions keep the deltas on their results).
     # MLA caches (latent, k_pe) in the (key, value) slots: every operator call runs on the swapped KV
     # (``_view``), so the rotation lands on k_pe and the latent is carried byte for byte; patches are
     # swapped back.
@@ -289,19 +289,10 @@ class VisionEngine(Engine):
         return _swap_patch(patch) if patch is not None and self._vspec is not None else patch
 
     def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
-        moved = op.relocate(self._view(kv), self._spec(kv.deltas), target, exact=exact)
-        return self._view(moved).with_deltas(kv.deltas)
+        return self._view(op.relocate(self._view(kv), self._spec(kv.deltas), target, exact=exact))
 
     def make_free(self, kv: KV) -> KV:
-        # rotated to angle 0, not to position 0 (a vision token at linear 0 still has its deltas' phase)
-        if kv.positions is None:
-            return kv
-        view = self._view(kv)
-        keys = rotate_keys(view.keys, self._spec(kv.deltas), None, view.positions)
-        return self._view(KV(keys, view.values, None)).with_deltas(kv.deltas)
-
-    def reconstruct(self, canonical: KV, patch: Patch | None) -> KV:
-        return op.reconstruct(canonical, patch).with_deltas(canonical.deltas)
+        return self._view(op.make_free(self._view(kv), self._spec(kv.deltas)))
 
     def form_patch(
         self,
@@ -313,15 +304,13 @@ class VisionEngine(Engine):
         dtype: torch.dtype | None = None,
     ) -> Patch:
         items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
-        free = [self._view(self.make_free(c)) for c in items]
+        views = [self._view(c) for c in items]  # the same chunk's tokens: the canonical's deltas are theirs
         spec = self._spec(canonical.deltas)
-        patch = op.form_patch(free, self._view(canonical), spec, rank, layers=layers, dtype=dtype)
-        return _swap_patch(patch) if self._vspec is not None else patch
+        return self._view_patch(op.form_patch(views, self._view(canonical), spec, rank, layers=layers, dtype=dtype))
 
     def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
         spec = self._spec(canonical.deltas)
-        placed = op.apply_patch(self._view(canonical), self._view_patch(patch), spec, target, exact=exact)
-        return self._view(placed).with_deltas(canonical.deltas)
+        return self._view(op.apply_patch(self._view(canonical), self._view_patch(patch), spec, target, exact=exact))
 
     # --- reporting ------------------------------------------------------------------------------
     @property
