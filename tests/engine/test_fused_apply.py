@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kamera_engine import KV, InvalidInputError, Patch
+from kamera_engine import KV, InvalidInputError, KernelBuildError, Patch
 from kamera_engine import fused_apply as fused
-from kamera_engine.errors import KernelBuildError
 from kamera_engine.operator import apply_patch, reconstruct
 from kamera_engine.rope import RopeSpec
 
