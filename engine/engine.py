@@ -24,7 +24,7 @@ from .decode import SamplingParams, decode_tokens, stream_text
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from .fingerprint import model_fingerprint
-from .kv import KV
+from .kv import KV, Past
 from .operator import Patch
 from .rope import RopeSpec
 from .runner import ForwardResult, Prefilled, run_forward
@@ -201,9 +201,10 @@ class Engine:
 
     # --- forward passes -----------------------------------------------------------------------
     def forward(
-        self, ids: Sequence[int] | torch.Tensor, past: KV | None, start: int, *, logits: str = "last"
+        self, ids: Sequence[int] | torch.Tensor, past: Past, start: int, *, logits: str = "last"
     ) -> ForwardResult:
-        """Prefill ``ids`` at positions ``start...`` after ``past``; counted in ``counters``."""
+        """Prefill ``ids`` at positions ``start...`` after ``past`` (a placed KV or its parts in order);
+        counted in ``counters``."""
         input_ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long)
         limit = self.adapter.max_context()
         total = start + int(input_ids.numel())
@@ -273,14 +274,12 @@ class Engine:
         return list(range(self.num_layers - n, self.num_layers))
 
     # --- reading out ----------------------------------------------------------------------------
-    def next_token_logprobs(self, past: KV | None, prompt_ids: Sequence[int], start: int) -> torch.Tensor:
+    def next_token_logprobs(self, past: Past, prompt_ids: Sequence[int], start: int) -> torch.Tensor:
         """Log-probabilities (vocab,) of the token after ``prompt_ids`` placed at ``start``."""
         res = self.forward(prompt_ids, past, start, logits="last")
         return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()
 
-    def generate_ids(
-        self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams
-    ) -> Iterator[int]:
+    def generate_ids(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[int]:
         res = self.forward(prompt_ids, past, start, logits="last")
         return self._decode(res.cache, res.logits[-1], start + len(prompt_ids), params)
 
@@ -293,7 +292,7 @@ class Engine:
             params.eos_token_ids = self.eos_token_ids
         return decode_tokens(self.model, cache, logits, position, params)
 
-    def generate(self, past: KV | None, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[str]:
+    def generate(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[str]:
         """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""
         if self.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; use generate_ids")

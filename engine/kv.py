@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .errors import InvalidInputError
 
@@ -111,14 +112,68 @@ class KV:
         return KV(keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), positions)
 
 
-def to_cache(kv: KV | None, config: Any) -> DynamicCache:
-    """A transformers ``DynamicCache`` holding ``kv`` (empty when ``kv`` is None)."""
+Past = KV | Sequence[KV] | None  # what a forward runs after: one placed KV, or its parts in order
+
+
+def past_parts(past: Past, *, placed: bool = True) -> list[KV]:
+    """The non-empty parts of ``past`` in order; with ``placed``, every part must carry positions."""
+    parts = [] if past is None else [past] if isinstance(past, KV) else list(past)
+    if placed and any(p.positions is None for p in parts):
+        raise InvalidInputError("past KV must be placed (positions set), not position-free")
+    return [p for p in parts if len(p)]
+
+
+class _ReservedLayer(DynamicLayer):
+    """A cache layer whose buffer already has room for the tokens about to be prefilled.
+
+    transformers' ``DynamicLayer`` grows by ``torch.cat`` on every update: a forward over a long past
+    copies the whole past once more per layer. Here the past is written once into a buffer sized for
+    past + reserve, the forward's update writes the new tokens in place, and an update past the
+    reserve falls back to growing by concatenation (a new tensor: views handed out earlier never
+    change).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
+        super().__init__()
+        self._k, self._v, self._n = keys, values, filled
+        self.dtype, self.device = keys.dtype, keys.device
+        self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):  # type: ignore[override]
+        n = key_states.shape[-2]
+        if self._k is None or self._n + n > self._k.shape[-2]:
+            self._k = self._v = None  # beyond the reserve: grow like DynamicLayer
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._k[:, :, self._n : self._n + n].copy_(key_states)
+        self._v[:, :, self._n : self._n + n].copy_(value_states)
+        self._n += n
+        self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+        return self.keys, self.values
+
+
+def to_cache(past: Past, config: Any, *, reserve: int = 0) -> DynamicCache:
+    """A transformers ``DynamicCache`` holding ``past`` (one KV or its parts, in order; empty when None).
+
+    ``reserve``: room for that many more tokens, written in place by the next forward (no copy of the
+    past per layer); the parts are copied once, straight into the cache's (1, H, T, D) layout.
+    """
     cache = DynamicCache(config=config)
-    if kv is None or len(kv) == 0:
+    parts = past_parts(past, placed=False)
+    if not parts:
         return cache
-    for layer in range(kv.num_layers):
-        # (T, H, D) -> (1, H, T, D)
-        k = kv.keys[layer].transpose(0, 1).unsqueeze(0)
-        v = kv.values[layer].transpose(0, 1).unsqueeze(0)
-        cache.update(k, v, layer)
+    n = sum(len(p) for p in parts)
+    first = parts[0]
+    for layer in range(first.num_layers):
+        k = first.keys.new_empty(1, first.keys.shape[2], n + reserve, first.keys.shape[3])
+        v = first.values.new_empty(1, first.values.shape[2], n + reserve, first.values.shape[3])
+        at = 0
+        for p in parts:
+            k[0, :, at : at + len(p)].copy_(p.keys[layer].transpose(0, 1))
+            v[0, :, at : at + len(p)].copy_(p.values[layer].transpose(0, 1))
+            at += len(p)
+        if layer < len(cache.layers) and type(cache.layers[layer]) is DynamicLayer:
+            cache.layers[layer] = _ReservedLayer(k, v, n)
+        else:  # a layer type of the model's own (sliding, ...): let it take the tokens its way
+            cache.update(k[:, :, :n], v[:, :, :n], layer)
     return cache

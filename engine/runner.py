@@ -14,7 +14,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .errors import InvalidInputError
-from .kv import KV, to_cache
+from .kv import KV, Past, past_parts, to_cache
 
 
 @dataclass(slots=True)
@@ -54,24 +54,24 @@ class Prefilled:
 def run_forward(
     model: nn.Module,
     input_ids: torch.Tensor,
-    past: KV | None,
+    past: Past,
     start: int,
     *,
     logits: str = "last",
 ) -> ForwardResult:
-    """Run ``input_ids`` (T,) at positions ``start .. start+T-1`` after ``past`` (placed KV or None).
+    """Run ``input_ids`` (T,) at positions ``start .. start+T-1`` after ``past`` (a placed KV, its parts
+    in order, or None; parts are copied once, straight into the model's cache).
 
     ``logits``: ``"last"`` (next-token logits only), ``"all"``, or ``"none"``.
     """
     if input_ids.ndim != 1 or input_ids.numel() == 0:
         raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
-    if past is not None and past.positions is None:
-        raise InvalidInputError("past KV must be placed (positions set), not position-free")
+    parts = past_parts(past)
     device = next(model.parameters()).device
     n_new = int(input_ids.shape[0])
-    n_past = 0 if past is None else len(past)
+    n_past = sum(len(p) for p in parts)
     positions = torch.arange(start, start + n_new, dtype=torch.long)
-    cache = to_cache(None if past is None else past.to(device), model.config)
+    cache = to_cache([p.to(device) for p in parts], model.config, reserve=n_new)
     keep = {"last": 1, "all": 0, "none": 1}[logits]
     out = model(
         input_ids=input_ids[None].to(device),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,14 +28,20 @@ from .slots import PendingPatch, Slot
 from .stats import Decision, WindowStats
 
 
-@dataclass(slots=True)
+@dataclass
 class Execution:
     """The assembled window and what each slot now holds."""
 
-    assembled: KV  # anchor + every slot, placed
+    parts: list[KV]  # anchor + every slot, placed, in order
     placed: list[KV]  # per slot, placed
     slots: list[Slot]  # new slot states (conditioned KV kept position-free when the policy keeps it)
     prompt: ForwardResult | None = None  # the prompt's forward, when it rode in the plan's trailing forward
+
+    @cached_property
+    def assembled(self) -> KV:
+        """The window as one KV (one copy, made on first use: a prompt that rode in the plan's forward
+        never needs it)."""
+        return KV.cat(self.parts)
 
 
 class Executor:
@@ -115,12 +122,12 @@ class Executor:
             placed.append(kv)
             new_slots.append(self._after(sp, slots[i], kv, keep_slot_kv, graph, step, formed=False, free=free))
             i += 1
-        assembled = KV.cat(parts)
         if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
-            assembled, placed = self._selective(plan, assembled)
-        self.stats.window_kv_bytes = assembled.nbytes
-        self.stats.window_tokens = len(assembled)
-        return Execution(assembled, placed, new_slots, prompt_result)
+            assembled, placed = self._selective(plan, KV.cat(parts))
+            parts = [assembled]
+        self.stats.window_kv_bytes = sum(p.nbytes for p in parts)
+        self.stats.window_tokens = sum(len(p) for p in parts)
+        return Execution(parts, placed, new_slots, prompt_result)
 
     def _serve(self, sp: SlotPlan, slot: Slot) -> tuple[KV, KV | None]:
         """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot."""
@@ -174,9 +181,10 @@ class Executor:
         """One forward over a run of slots (and the prompt behind them, if given) on top of everything
         assembled so far. Returns each slot's placed KV, and the forward itself when the prompt rode in it."""
         ids = [t for sp in run for t in sp.chunk.token_ids]
-        past = KV.cat(parts)
         t0 = time.perf_counter()
-        res = self.engine.forward(ids + (prompt or []), past, run[0].start, logits="none" if prompt is None else "last")
+        res = self.engine.forward(
+            ids + (prompt or []), parts, run[0].start, logits="none" if prompt is None else "last"
+        )
         self.stats.time("forward", time.perf_counter() - t0)
         self.stats.forwards += 1
         self.stats.tokens_prefilled += len(ids)

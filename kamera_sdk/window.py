@@ -97,8 +97,7 @@ class ContextWindow:
         self._stats = WindowStats(policy=self.policy.name)
         self._step = 0
         self._version = 0
-        self._cache: tuple[int, Plan, KV] | None = None
-        self._last_execution: Execution | None = None
+        self._cache: tuple[int, Plan, Execution] | None = None
         # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward; every window
         # change drops it (``_changed``), so it always belongs to the window as it is
         self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
@@ -313,7 +312,6 @@ class ContextWindow:
         child._step = self._step
         child._version = 0
         child._cache = None
-        child._last_execution = None
         child._prompt_memo = None
         for cid in child.chunks:
             child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
@@ -330,18 +328,18 @@ class ContextWindow:
 
     def assemble(self) -> KV:
         """Materialise the window: the anchor and every chunk's KV, placed."""
-        return self._materialise()[1]
+        return self._materialise()[1].assembled
 
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
         ids = self._prompt_ids(prompt)
-        plan, past = self._materialise(ids)
+        plan, execution = self._materialise(ids)
         t0 = time.perf_counter()
         memo = self._prefilled(ids)
         if memo is not None:  # the prompt rode in the window's trailing forward (now or at an earlier call)
             lp = torch.log_softmax(memo.logits.float(), dim=-1).cpu()
         else:
-            lp = self.engine.next_token_logprobs(past, ids, plan.end)
+            lp = self.engine.next_token_logprobs(execution.parts, ids, plan.end)
         self._count_prompt(ids, t0, own_forward=memo is None)
         return lp
 
@@ -387,7 +385,7 @@ class ContextWindow:
         )
         params.validate()
         ids = self._prompt_ids(prompt)
-        plan, past = self._materialise(ids if self.compressor is None else None)
+        plan, execution = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
         if memo is not None:
@@ -398,7 +396,7 @@ class ContextWindow:
                 raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
             pieces = stream_text(tokens, self.engine.tokenizer, params)
         else:
-            pieces = self.engine.generate(past, ids, plan.end, params)
+            pieces = self.engine.generate(execution.parts, ids, plan.end, params)
         self._count_prompt(ids, t0, own_forward=memo is None)
         return pieces if stream else "".join(pieces)
 
@@ -408,13 +406,13 @@ class ContextWindow:
         if self.compressor is None:
             raise WindowOperationError("this window has no compression policy (pass compress=...)")
         ids = self._prompt_ids(prompt)
-        plan, past = self._materialise()
+        plan, execution = self._materialise()
         window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
         vision = torch.tensor(
             [False] * plan.anchor_len + [sp.chunk.kind in VISION_KINDS for sp in plan.slots for _ in sp.chunk.token_ids]
         )
         t0 = time.perf_counter()
-        c = prefill_compressed(self.engine, past, window_ids, ids, self.compressor, vision)
+        c = prefill_compressed(self.engine, execution.assembled, window_ids, ids, self.compressor, vision)
         self._stats.compression_stats_tokens += c.stats_tokens
         self._stats.kv_bytes_fraction = c.kv_bytes_fraction
         self._stats.time("compress", time.perf_counter() - t0)
@@ -430,9 +428,7 @@ class ContextWindow:
             raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
         idx = self._index(chunk_id)
         ids = self._prompt_ids(prompt)
-        plan, past = self._materialise()
-        execution = self._last_execution
-        assert execution is not None
+        plan, execution = self._materialise()
         parts = [self.engine.anchor_kv]
         pos = plan.anchor_len
         for i, sp in enumerate(plan.slots):
@@ -445,7 +441,7 @@ class ContextWindow:
                 parts.append(kv if int(kv.positions[0]) == pos else self.engine.relocate(kv, pos, exact=False))
             pos += len(sp.chunk)
         answers = []
-        for kv, start in ((past, plan.end), (KV.cat(parts), pos)):
+        for kv, start in ((execution.parts, plan.end), (parts, pos)):
             t0 = time.perf_counter()
             tokens = list(self.engine.generate_ids(kv, ids, start, SamplingParams(max_new_tokens=max_new_tokens)))
             self._count_prompt(ids, t0)
@@ -599,7 +595,7 @@ class ContextWindow:
             return None
         return memo[1]
 
-    def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, KV]:
+    def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, Execution]:
         """Plan and assemble the window (cached until the next change). ``prompt``: prefill it in the
         plan's trailing forward when there is one (then kept for ``_prefilled``)."""
         if not self._slots:
@@ -625,14 +621,13 @@ class ContextWindow:
                 self._stats.envelope_rebuild += 1
         self.policy.observe(plan, execution.placed)
         self._slots = execution.slots
-        self._last_execution = execution
-        self._cache = (self._version, plan, execution.assembled)
+        self._cache = (self._version, plan, execution)
         self._stats.time("materialise", time.perf_counter() - t0)
         self._log_plan(plan)
         if execution.prompt is not None:  # only when a prompt was passed
             assert prompt is not None
             self._prompt_memo = (tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))
-        return plan, execution.assembled
+        return plan, execution
 
     def _log_plan(self, plan: Plan) -> None:
         self._stats.log(Decision(step=self._step, chunk="*", source="plan", reason=plan.summary()))

@@ -39,7 +39,7 @@ from torch import nn
 from .. import operator as op
 from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
-from ..kv import KV, to_cache
+from ..kv import KV, Past, past_parts, to_cache
 from ..operator import Patch
 from ..rope import RopeSpec
 from ..runner import ForwardResult
@@ -204,29 +204,29 @@ class VisionEngine(Engine):
 
     # --- forward ----------------------------------------------------------------------------------
     def forward(
-        self, ids: Sequence[int] | torch.Tensor, past: KV | None, start: int, *, logits: str = "last"
+        self, ids: Sequence[int] | torch.Tensor, past: Past, start: int, *, logits: str = "last"
     ) -> ForwardResult:
-        """Prefill ``ids`` (text and virtual vision ids) at linear positions ``start...`` after ``past``."""
+        """Prefill ``ids`` (text and virtual vision ids) at linear positions ``start...`` after ``past``
+        (a placed KV or its parts in order)."""
         input_ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long)
         if input_ids.ndim != 1 or input_ids.numel() == 0:
             raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
-        if past is not None and past.positions is None:
-            raise InvalidInputError("past KV must be placed (positions set), not position-free")
+        parts = past_parts(past)
         limit = self.adapter.max_context()
         if limit is not None and start + int(input_ids.numel()) > limit:
             raise UnsupportedModelError(f"{self.name}: window exceeds the sliding window ({limit})")
         t0 = time.perf_counter()
-        res = self._run(input_ids, past, start, logits)
+        res = self._run(input_ids, parts, start, logits)
         self.counters.forwards += 1
         self.counters.tokens_prefilled += int(input_ids.numel())
         self.counters.forward_s += time.perf_counter() - t0
         return res
 
     @torch.inference_mode()
-    def _run(self, input_ids: torch.Tensor, past: KV | None, start: int, logits: str) -> ForwardResult:
+    def _run(self, input_ids: torch.Tensor, parts: list[KV], start: int, logits: str) -> ForwardResult:
         dev = self.device
         n_new = int(input_ids.shape[0])
-        n_past = 0 if past is None else len(past)
+        n_past = sum(len(p) for p in parts)
         virt = input_ids >= self.vocab_size
         embeds = self.family.embed_tokens()(input_ids.masked_fill(virt, 0)[None].to(dev))  # (1, T, hidden)
         linear = torch.arange(start, start + n_new, dtype=torch.long)
@@ -243,7 +243,7 @@ class VisionEngine(Engine):
                 deep_list = [d.to(dev, embeds.dtype) for d in deep]
                 mask = virt[None].to(dev)
         pos = self.family.position_ids(linear, deltas).to(dev)
-        cache = to_cache(None if past is None else past.to(dev), self._text_config())
+        cache = to_cache([p.to(dev) for p in parts], self._text_config(), reserve=n_new)
         lm = self.family.language_model()
         out = lm(
             inputs_embeds=embeds,

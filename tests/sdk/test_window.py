@@ -239,15 +239,15 @@ def test_prompt_rides_in_the_trailing_forward(engine) -> None:
     st = win.stats()
     assert st.forwards - before == 1  # the new chunks and the prompt: one pass
     assert st.prompt_tokens == len(PROMPT)
-    plan, past = win._materialise()
-    two_pass = engine.next_token_logprobs(past, PROMPT, plan.end)
+    past = win.assemble()
+    two_pass = engine.next_token_logprobs(past, PROMPT, len(past))
     assert (lp - two_pass).abs().max() < 1e-4  # same numbers as prefilling the prompt on the assembled window
     assert torch.equal(win.next_token_logprobs(PROMPT), lp)  # asking again answers from the same prefill
     memo = win._prefilled(list(PROMPT))
     assert memo is not None
     greedy = SamplingParams(max_new_tokens=6)
     from_memo = list(engine.continue_ids(memo, greedy))
-    assert from_memo == list(engine.generate_ids(past, PROMPT, plan.end, SamplingParams(max_new_tokens=6)))
+    assert from_memo == list(engine.generate_ids(past, PROMPT, len(past), SamplingParams(max_new_tokens=6)))
     assert from_memo[0] == int(lp.argmax())
     assert list(engine.continue_ids(memo, SamplingParams(max_new_tokens=6))) == from_memo  # reusable snapshot
     win.slide(1)

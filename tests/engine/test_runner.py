@@ -1,0 +1,72 @@
+"""The forward runner takes the past as parts, copied once into a cache with room for the new tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kamera_engine import KV, InvalidInputError, SamplingParams
+from kamera_engine.kv import to_cache
+from tests.conftest import ANCHOR, tiny_engine
+
+
+def _parts(engine, sizes: list[int]) -> tuple[list[KV], list[int]]:
+    """A prefilled past cut into parts of ``sizes`` tokens (after the anchor), and its token ids."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (sum(sizes),), generator=gen).tolist()
+    kv = KV.cat([engine.anchor_kv, engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="none").kv])
+    cuts, at = [], 0
+    for n in [len(ANCHOR), *sizes]:
+        cuts.append(kv.slice(at, at + n))
+        at += n
+    return cuts, ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_neox"])
+def test_forward_over_parts_equals_forward_over_the_joined_past(family: str) -> None:
+    engine = tiny_engine(family)
+    parts, ids = _parts(engine, [7, 1, 12])
+    new = [11, 12, 13, 14, 15]
+    start = len(ANCHOR) + len(ids)
+    joined = engine.forward(new, KV.cat(parts), start, logits="all")
+    split = engine.forward(new, parts, start, logits="all")
+    assert torch.equal(split.logits, joined.logits)
+    assert torch.equal(split.kv.keys, joined.kv.keys) and torch.equal(split.kv.values, joined.kv.values)
+    assert torch.equal(split.kv.positions, joined.kv.positions)
+
+
+def test_the_cache_reserve_is_filled_in_place_then_grows() -> None:
+    engine = tiny_engine("llama")
+    parts, _ = _parts(engine, [4, 6])
+    n = sum(len(p) for p in parts)
+    cache = to_cache(parts, engine.model.config, reserve=3)
+    layer = cache.layers[0]
+    buffer = layer.keys.untyped_storage().data_ptr()
+    assert layer.get_seq_length() == n
+    k = torch.randn(1, layer.keys.shape[1], 3, layer.keys.shape[3])
+    keys, _ = layer.update(k, k.clone())
+    assert keys.untyped_storage().data_ptr() == buffer  # written into the reserve, nothing re-allocated
+    assert torch.equal(keys[:, :, n:], k) and keys.shape[2] == n + 3
+    before = keys
+    more, _ = layer.update(k[:, :, :1], k[:, :, :1].clone())  # past the reserve: a new tensor
+    assert more.shape[2] == n + 4 and more.untyped_storage().data_ptr() != buffer
+    assert torch.equal(more[:, :, : n + 3], before)
+
+
+def test_decoding_after_a_forward_over_parts_matches_the_joined_past() -> None:
+    engine = tiny_engine("llama")
+    parts, ids = _parts(engine, [5, 9])
+    start = len(ANCHOR) + len(ids)
+    greedy = SamplingParams(max_new_tokens=5)
+    assert list(engine.generate_ids(parts, [20, 21], start, greedy)) == list(
+        engine.generate_ids(KV.cat(parts), [20, 21], start, greedy)
+    )
+
+
+def test_a_position_free_part_is_refused() -> None:
+    engine = tiny_engine("llama")
+    parts, ids = _parts(engine, [4])
+    free = KV(parts[1].keys, parts[1].values, None)
+    with pytest.raises(InvalidInputError, match="placed"):
+        engine.forward([1, 2], [parts[0], free], len(ANCHOR) + len(ids))
+
