@@ -37,6 +37,14 @@ class Step:
     )  # ("add", page) | ("slide", n) | ("recall", page) | ("reorder", seed)
     question: str = ""
 
+    @property
+    def kind(self) -> str:
+        """What dominates the step's cost: ``first`` (the window filled), ``rerank``, ``recall`` or ``slide``."""
+        ops = {op for op, _ in self.ops}
+        if self.index == 0:
+            return "first"
+        return "rerank" if "reorder" in ops else "recall" if "recall" in ops else "slide"
+
     def describe(self) -> str:
         parts = []
         for op, arg in self.ops:
@@ -130,6 +138,7 @@ def run_trace(
         per_step.append(
             {
                 "step": step.index,
+                "kind": step.kind,
                 "ops": step.describe(),
                 "ttft_s": {p: rows[p]["ttft"][-1] for p in policies},
                 "kl": {p: rows[p]["kl"][-1] for p in policies},
@@ -156,6 +165,11 @@ def run_trace(
     result["steps"] = per_step
     if "prefix" in result and "kamera" in result:
         result["kamera_ttft_over_prefix"] = result["kamera"]["ttft_s_mean"] / result["prefix"]["ttft_s_mean"]
+        result["kamera_ttft_over_prefix_by_kind"] = {
+            kind: mean([r["ttft_s"]["kamera"] for r in rows_k]) / mean([r["ttft_s"]["prefix"] for r in rows_k])
+            for kind in ("first", "slide", "recall", "rerank")
+            if (rows_k := [r for r in per_step if r["kind"] == kind])
+        }
     return result
 
 
