@@ -69,4 +69,3 @@ def test_a_position_free_part_is_refused() -> None:
     free = KV(parts[1].keys, parts[1].values, None)
     with pytest.raises(InvalidInputError, match="placed"):
         engine.forward([1, 2], [parts[0], free], len(ANCHOR) + len(ids))
-
