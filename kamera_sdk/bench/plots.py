@@ -67,15 +67,30 @@ def operator_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Mean TTFT and mean KL per policy on the window trace."""
+    """Mean TTFT and mean KL per policy on the window trace, and TTFT per step by step kind."""
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [p for p in ("recompute", "prefix", "blind", "kamera") if p in result]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
-    a1.bar(names, [result[p]["ttft_s_mean"] for p in names], color=["#888", "#aaa", "#c96", "#369"][: len(names)])
+    colors = {"recompute": "#888", "prefix": "#aaa", "blind": "#c96", "kamera": "#369"}
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1, 2, 1]})
+    a1.bar(names, [result[p]["ttft_s_mean"] for p in names], color=[colors[p] for p in names])
     a1.set_ylabel("mean TTFT (s)")
-    a2.bar(names, [result[p]["kl_mean"] for p in names], color=["#888", "#aaa", "#c96", "#369"][: len(names)])
-    a2.set_ylabel("mean next-token KL to recompute")
+    steps = result["steps"]
+    for p in ("prefix", "kamera"):
+        if p in names:
+            a2.plot(
+                [s["step"] for s in steps], [s["ttft_s"][p] for s in steps], marker="o", ms=3, color=colors[p], label=p
+            )
+    marks = {"first": "F", "recall": "R", "rerank": "S"}
+    for s in steps:
+        if s.get("kind") in marks:
+            a2.annotate(marks[s["kind"]], (s["step"], 0), textcoords="offset points", xytext=(-3, 2), fontsize=7)
+    a2.set_xlabel("step (F first, R recall, S rerank; the rest slide)")
+    a2.set_ylabel("TTFT (s)")
+    a2.set_ylim(bottom=0)
+    a2.legend(loc="upper right", fontsize=8)
+    a3.bar(names, [result[p]["kl_mean"] for p in names], color=[colors[p] for p in names])
+    a3.set_ylabel("mean next-token KL to recompute")
     fig.suptitle(f"window trace: {result['trace']['steps']} steps, 4 pages")
     fig.tight_layout()
     path = out_dir / "window_trace.png"

@@ -173,10 +173,44 @@ def run_trace(
     return result
 
 
+def slide_floor(engine: Engine, step: Step, repeats: int = 3) -> dict[str, float]:
+    """What a slide step cannot go below: prefilling the new page (and the question) over the other pages,
+    against prefilling the whole window, side by side (best of ``repeats``). The new page's conditioning
+    needs its forward in context (the paper's open problem is estimating it without one)."""
+    pages = [arg.text + "\n\n" for op, arg in step.ops if op == "add"]
+    if len(pages) < 2:
+        raise ValueError("slide_floor needs a step that adds at least two pages")
+    ids = [engine.tokenize(t) for t in pages]
+    q = engine.prompt_ids(step.question)
+    a = len(engine.anchor_ids)
+    old = [t for page in ids[:-1] for t in page]
+    past = engine.forward(old, engine.anchor_kv, a, logits="none").kv
+    window = [engine.anchor_kv, past]
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    new_s = best(lambda: engine.forward(ids[-1] + q, window, a + len(old)))
+    full_s = best(lambda: engine.forward(old + ids[-1] + q, engine.anchor_kv, a))
+    return {
+        "new_page_tokens": len(ids[-1]),
+        "window_tokens": len(old) + len(ids[-1]),
+        "new_page_forward_s": new_s,
+        "window_prefill_s": full_s,
+        "ratio": new_s / full_s,
+    }
+
+
 def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     steps = 8 if quick else 24
     trace = build_trace(steps=steps)
     err.print(f"[bold]window[/] trace on {engine.name}: {steps} steps, window of 4 pages")
     result = run_trace(engine, trace)
     result["trace"] = {"steps": steps, "window_chunks": 4, "ops": [s.describe() for s in trace]}
+    result["slide_floor"] = slide_floor(engine, trace[0])
     return result

@@ -8,7 +8,7 @@ import pytest
 from kamera_engine import Engine
 from kamera_sdk import POLICIES, ContextWindow
 from kamera_sdk.bench.corpus import load_corpus
-from kamera_sdk.bench.window import build_trace, run_trace
+from kamera_sdk.bench.window import build_trace, run_trace, slide_floor
 
 pytestmark = pytest.mark.slow
 
@@ -32,3 +32,13 @@ def test_kamera_beats_blind_on_a_short_trace(default_engine: Engine) -> None:
     assert result["kamera"]["kl_mean"] < result["blind"]["kl_mean"]
     assert result["kamera"]["kl_mean"] <= 0.02, result["kamera"]
     assert result["kamera"]["prefill_tokens"] < result["recompute"]["prefill_tokens"] / 2
+
+
+def test_slide_floor_prefills_the_last_page_over_the_others(default_engine: Engine) -> None:
+    first = build_trace(steps=1)[0]
+    pages = [default_engine.tokenize(arg.text + "\n\n") for op, arg in first.ops if op == "add"]
+    floor = slide_floor(default_engine, first, repeats=1)
+    assert floor["new_page_tokens"] == len(pages[-1])
+    assert floor["window_tokens"] == sum(len(p) for p in pages)
+    assert floor["new_page_forward_s"] > 0 and floor["window_prefill_s"] > 0
+    assert floor["ratio"] == floor["new_page_forward_s"] / floor["window_prefill_s"]
