@@ -91,6 +91,8 @@ def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     a2.legend(loc="upper right", fontsize=8)
     a3.bar(names, [result[p]["kl_mean"] for p in names], color=[colors[p] for p in names])
     a3.set_ylabel("mean next-token KL to recompute")
+    for ax in (a1, a3):
+        ax.tick_params(axis="x", labelsize=8, labelrotation=20)
     fig.suptitle(f"window trace: {result['trace']['steps']} steps, 4 pages")
     fig.tight_layout()
     path = out_dir / "window_trace.png"

@@ -19,12 +19,25 @@ import torch
 
 from kamera_engine import Engine
 
+from ..config import WindowConfig
 from ..console import err, track
 from ..window import ContextWindow
 from .corpus import Page, Question, load_corpus
 from .metrics import kl, mean
 
 POLICIES = ("recompute", "prefix", "blind", "kamera")
+#: Extra arms: a policy under a non-default config, reported next to the policies.
+ARMS: dict[str, tuple[str, WindowConfig]] = {
+    # survivors re-conditioned on what remains (removal patch): where the default's drift comes from
+    "kamera_survivors_patch": ("kamera", WindowConfig(survivors="patch")),
+}
+
+
+def _window(engine: Engine, name: str) -> ContextWindow:
+    if name in ARMS:
+        policy, config = ARMS[name]
+        return ContextWindow(engine, policy=policy, config=config)
+    return ContextWindow(engine, policy=name)
 
 
 @dataclass
@@ -119,7 +132,7 @@ def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> float:
 def run_trace(
     engine: Engine, trace: list[Step], policies: tuple[str, ...] = POLICIES, answer_tokens: int = 16
 ) -> dict[str, Any]:
-    wins = {p: ContextWindow(engine, policy=p) for p in policies}
+    wins = {p: _window(engine, p) for p in policies}
     ids: dict[str, dict[str, str]] = {p: {} for p in policies}
     rows: dict[str, dict[str, list]] = {p: {"ttft": [], "kl": [], "match": [], "ingest": []} for p in policies}
     per_step: list[dict[str, Any]] = []
@@ -210,7 +223,7 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     steps = 8 if quick else 24
     trace = build_trace(steps=steps)
     err.print(f"[bold]window[/] trace on {engine.name}: {steps} steps, window of 4 pages")
-    result = run_trace(engine, trace)
+    result = run_trace(engine, trace, (*POLICIES, *ARMS))
     result["trace"] = {"steps": steps, "window_chunks": 4, "ops": [s.describe() for s in trace]}
     result["slide_floor"] = slide_floor(engine, trace[0])
     return result
