@@ -142,8 +142,10 @@ class _ReservedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):  # type: ignore[override]
         n = key_states.shape[-2]
-        if self._k is None or self._n + n > self._k.shape[-2]:
-            self._k = self._v = None  # beyond the reserve: grow like DynamicLayer
+        ours = self._k is not None and self.keys is not None and self.keys.data_ptr() == self._k.data_ptr()
+        if not ours or self.keys.shape[-2] != self._n or self._n + n > self._k.shape[-2]:
+            # beyond the reserve, or the layer was edited behind our back (crop, ...): grow like DynamicLayer
+            self._k = self._v = None
             return super().update(key_states, value_states, *args, **kwargs)
         self._k[:, :, self._n : self._n + n].copy_(key_states)
         self._v[:, :, self._n : self._n + n].copy_(value_states)

@@ -69,3 +69,17 @@ def test_a_position_free_part_is_refused() -> None:
     free = KV(parts[1].keys, parts[1].values, None)
     with pytest.raises(InvalidInputError, match="placed"):
         engine.forward([1, 2], [parts[0], free], len(ANCHOR) + len(ids))
+
+
+def test_a_cropped_reserved_layer_grows_from_what_it_holds() -> None:
+    engine = tiny_engine("llama")
+    parts, _ = _parts(engine, [6])
+    n = sum(len(p) for p in parts)
+    cache = to_cache(parts, engine.model.config, reserve=4)
+    cache.crop(-2)  # drop the last two tokens
+    layer = cache.layers[0]
+    k = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[3])
+    keys, _ = layer.update(k, k.clone())
+    assert keys.shape[2] == n - 1
+    assert torch.equal(keys[:, :, -1:], k)
+    assert torch.equal(keys[0, :, : n - 2], KV.cat(parts).keys[0, : n - 2].transpose(0, 1))
