@@ -101,7 +101,8 @@ class Engine:
         ``device``: ``"cpu"``, ``"cuda"``... (default: cuda when available). ``dtype``: default float32
         on CPU, bfloat16 on GPU. ``attn``: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"`` (default:
         flash-attn when CUDA and the package are present, else SDPA). No network access is attempted
-        for the default model.
+        for the default model. A vision-language checkpoint of a registered family loads as a
+        ``VisionEngine`` (a subclass).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,7 +116,7 @@ class Engine:
             path, name = model, str(model)
             vision = _vision_engine_class(path)
             if vision is not None:  # a vision-language checkpoint: its processor and model classes
-                return vision.load(path, device=device, dtype=dtype, attn=attn)  # type: ignore[return-value]
+                return vision.load(path, device=device, dtype=dtype, attn=attn)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
@@ -214,11 +215,15 @@ class Engine:
                 "sliding-window attention is not position-free"
             )
         t0 = time.perf_counter()
-        res = run_forward(self.model, input_ids, past, start, logits=logits)
+        res = self._run(input_ids, past, start, logits)
         self.counters.forwards += 1
         self.counters.tokens_prefilled += int(input_ids.numel())
         self.counters.forward_s += time.perf_counter() - t0
         return res
+
+    def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
+        """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
+        return run_forward(self.model, input_ids, past, start, logits=logits)
 
     @cached_property
     def anchor_kv(self) -> KV:
@@ -280,6 +285,7 @@ class Engine:
         return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()
 
     def generate_ids(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[int]:
+        """Token ids decoded after ``prompt_ids`` placed at ``start`` (greedy or sampled per ``params``)."""
         res = self.forward(prompt_ids, past, start, logits="last")
         return self._decode(res.cache, res.logits[-1], start + len(prompt_ids), params)
 
@@ -307,7 +313,7 @@ class Engine:
         return stream_text(token_ids, self.tokenizer, params)
 
 
-def _vision_engine_class(path: str | Path) -> type | None:
+def _vision_engine_class(path: str | Path) -> type[Engine] | None:
     """``VisionEngine`` when ``path`` holds a config of a registered vision family, else None."""
     from transformers import AutoConfig
 

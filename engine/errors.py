@@ -9,7 +9,7 @@ The tree::
     │   └── MediaError             an image / video that does not decode, a refused or oversized URL
     ├── ChunkNotFoundError         a chunk id the window or store does not know
     ├── WindowOperationError       an operation that is invalid for the window's current state
-    ├── KernelBuildError           KAMERA_KERNEL=c asked for the fused CPU kernel and it could not be built
+    ├── KernelBuildError           the fused CPU kernel could not be built (KAMERA_KERNEL=c) or failed to run
     └── StoreError                 a stored entry that cannot be used
         ├── FingerprintMismatchError   an entry written by another model
         └── ChecksumError              an entry whose bytes do not match their checksum
@@ -114,7 +114,8 @@ __all__ += [
 
 
 class KernelBuildError(KameraError):
-    """The fused CPU kernel was asked for (``KAMERA_KERNEL=c``) but could not be built or loaded."""
+    """The fused CPU kernel was asked for (``KAMERA_KERNEL=c``) but could not be built or loaded, or it
+    failed at run time (out of memory, bad arguments)."""
 
 
 __all__ += ["KernelBuildError"]

@@ -14,7 +14,8 @@ compiler and the CPU; later processes load it in milliseconds. ``KAMERA_KERNEL``
 * ``c``: the kernel or a :class:`KernelBuildError`;
 * ``torch``: torch's path only.
 
-GPU tensors, float64 / half dtypes and the exact (float64) reference path always use torch.
+GPU tensors and float64 / half dtypes use torch. The exact reference path (``apply_patch(exact=True)``)
+rotates in float64 with torch; its ``canonical + U V^T`` (``reconstruct``) may run here.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def library() -> ctypes.CDLL | None:
     chosen = mode()
     if chosen == "torch":
         return None
+    if _lib is not None:  # loaded: no lock on the apply path
+        return _lib
     with _lock:
         if _lib is None and (_why_not is None or chosen == "c"):
             try:

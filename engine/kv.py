@@ -81,10 +81,6 @@ class KV:
         deltas = None if self.deltas is None else self.deltas.to(device) if device else self.deltas
         return KV(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), pos, deltas)
 
-    def with_deltas(self, deltas: torch.Tensor | None) -> KV:
-        """The same tensors with ``deltas`` attached (for results of functions that drop them)."""
-        return KV(self.keys, self.values, self.positions, deltas)
-
     @staticmethod
     def cat(parts: Sequence[KV]) -> KV:
         """Concatenate placed KVs along tokens (one copy over all layers)."""
@@ -104,12 +100,15 @@ class KV:
         return KV(keys, values, pos, deltas)
 
     @staticmethod
-    def from_cache(cache: DynamicCache, start: int, stop: int, positions: torch.Tensor | None) -> KV:
-        """Tokens ``[start, stop)`` of a transformers cache (batch 0), as a placed KV."""
+    def from_cache(
+        cache: DynamicCache, start: int, stop: int, positions: torch.Tensor | None, deltas: torch.Tensor | None = None
+    ) -> KV:
+        """Tokens ``[start, stop)`` of a transformers cache (batch 0), as a placed KV (with the tokens'
+        M-RoPE ``deltas``, if any)."""
         keys = torch.stack([layer.keys[0, :, start:stop] for layer in cache.layers])  # (L, H, T, D)
         values = torch.stack([layer.values[0, :, start:stop] for layer in cache.layers])
         # (L, H, T, D) -> (L, T, H, D)
-        return KV(keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), positions)
+        return KV(keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), positions, deltas)
 
 
 Past = KV | Sequence[KV] | None  # what a forward runs after: one placed KV, or its parts in order
@@ -140,7 +139,9 @@ class _ReservedLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
         ours = self._k is not None and self.keys is not None and self.keys.data_ptr() == self._k.data_ptr()
         if not ours or self.keys.shape[-2] != self._n or self._n + n > self._k.shape[-2]:
@@ -154,11 +155,12 @@ class _ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def to_cache(past: Past, config: Any, *, reserve: int = 0) -> DynamicCache:
+def to_cache(past: Past, config: Any, *, reserve: int = 0, device: torch.device | str | None = None) -> DynamicCache:
     """A transformers ``DynamicCache`` holding ``past`` (one KV or its parts, in order; empty when None).
 
-    ``reserve``: room for that many more tokens, written in place by the next forward (no copy of the
-    past per layer); the parts are copied once, straight into the cache's (1, H, T, D) layout.
+    The parts are copied once, straight into the cache's (1, H, T, D) layout on ``device`` (default: the
+    parts' own). ``reserve``: room for that many more tokens, written in place by the next forward, so
+    appending does not copy the past again (layers of the model's own kind, e.g. sliding, get none).
     """
     cache = DynamicCache(config=config)
     parts = past_parts(past, placed=False)
@@ -166,16 +168,19 @@ def to_cache(past: Past, config: Any, *, reserve: int = 0) -> DynamicCache:
         return cache
     n = sum(len(p) for p in parts)
     first = parts[0]
+    dev = first.keys.device if device is None else torch.device(device)
     for layer in range(first.num_layers):
-        k = first.keys.new_empty(1, first.keys.shape[2], n + reserve, first.keys.shape[3])
-        v = first.values.new_empty(1, first.values.shape[2], n + reserve, first.values.shape[3])
+        reserved = layer < len(cache.layers) and type(cache.layers[layer]) is DynamicLayer
+        room = n + (reserve if reserved else 0)
+        k = torch.empty(1, first.keys.shape[2], room, first.keys.shape[3], dtype=first.keys.dtype, device=dev)
+        v = torch.empty(1, first.values.shape[2], room, first.values.shape[3], dtype=first.values.dtype, device=dev)
         at = 0
         for p in parts:
             k[0, :, at : at + len(p)].copy_(p.keys[layer].transpose(0, 1))
             v[0, :, at : at + len(p)].copy_(p.values[layer].transpose(0, 1))
             at += len(p)
-        if layer < len(cache.layers) and type(cache.layers[layer]) is DynamicLayer:
+        if reserved:
             cache.layers[layer] = _ReservedLayer(k, v, n)
         else:  # a layer type of the model's own (sliding, ...): let it take the tokens its way
-            cache.update(k[:, :, :n], v[:, :, :n], layer)
+            cache.update(k, v, layer)
     return cache

@@ -197,19 +197,20 @@ def _fused(
     patch: Patch | None,
     keys: torch.Tensor,
     values: torch.Tensor,
-    spec: RopeSpec | None = None,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
+    rotation: tuple[RopeSpec, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``keys, values = R(cos, sin) · (src + U V^T)`` with the fused kernel (no rotation without ``spec``)."""
+    """``keys, values = R · (src + U V^T)`` with the fused kernel; ``rotation``: (spec, cos, sin), or None
+    to stay in the source frame."""
     rows = _patch_rows(patch, src.num_layers)
     k_f = None if patch is None else (patch.k_u, patch.k_vt)
     v_f = None if patch is None else (patch.v_u, patch.v_vt)
-    if spec is None or cos is None or sin is None:
+    if rotation is None:
         fused.run(src.keys, keys, k_f, rows, None, None)
     else:
-        cs = (cos.contiguous(), sin.contiguous())
-        fused.run(src.keys, keys, k_f, rows, *cs, rotary_dim=spec.rotary_dim, style=spec.style)
+        spec, cos, sin = rotation
+        fused.run(
+            src.keys, keys, k_f, rows, cos.contiguous(), sin.contiguous(), rotary_dim=spec.rotary_dim, style=spec.style
+        )
     fused.run(src.values, values, v_f, rows, None, None)
 
 
@@ -273,8 +274,8 @@ def apply_patch(
     keys = out.keys if out is not None else torch.empty_like(canonical.keys)
     values = out.values if out is not None else torch.empty_like(canonical.values)
     cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
-    if spec.style in ("half", "interleaved") and fused.usable(canonical.keys, canonical.values, keys, values):
-        _fused(canonical, patch, keys, values, spec, cos, sin)
+    if fused.usable(canonical.keys, canonical.values, keys, values):
+        _fused(canonical, patch, keys, values, (spec, cos, sin))
         return KV(keys, values, tgt, canonical.deltas)
     fast = spec.style == "half" and spec.rotary_dim == canonical.keys.shape[-1]
     if fast:

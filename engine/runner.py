@@ -8,6 +8,7 @@ one ``model(...)`` call with ``position_ids`` and a ``DynamicCache`` made from o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +51,16 @@ class Prefilled:
         return cache
 
 
+def past_cache(input_ids: torch.Tensor, past: Past, config: Any, device: torch.device) -> tuple[DynamicCache, int]:
+    """Check a forward's inputs and build its cache: ``past`` (placed parts) copied once onto ``device``,
+    with room for ``input_ids``. Returns the cache and the past's length."""
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+    parts = past_parts(past)
+    cache = to_cache(parts, config, reserve=int(input_ids.shape[0]), device=device)
+    return cache, sum(len(p) for p in parts)
+
+
 @torch.inference_mode()
 def run_forward(
     model: nn.Module,
@@ -64,14 +75,10 @@ def run_forward(
 
     ``logits``: ``"last"`` (next-token logits only), ``"all"``, or ``"none"``.
     """
-    if input_ids.ndim != 1 or input_ids.numel() == 0:
-        raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
-    parts = past_parts(past)
     device = next(model.parameters()).device
+    cache, n_past = past_cache(input_ids, past, model.config, device)
     n_new = int(input_ids.shape[0])
-    n_past = sum(len(p) for p in parts)
     positions = torch.arange(start, start + n_new, dtype=torch.long)
-    cache = to_cache([p.to(device) for p in parts], model.config, reserve=n_new)
     keep = {"last": 1, "all": 0, "none": 1}[logits]
     out = model(
         input_ids=input_ids[None].to(device),

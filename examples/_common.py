@@ -66,6 +66,9 @@ class SideBySide:
     def add_text(self, text: str) -> ChunkId:
         return self._each("add_text", text)[0]
 
+    def add_image(self, image: Any) -> ChunkId:
+        return self._each("add_image", image)[0]
+
     def evict(self, chunk_id: ChunkId) -> None:
         self._each("evict", chunk_id)
 

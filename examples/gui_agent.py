@@ -19,13 +19,19 @@ is reordered or recalled, never re-encoded).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from _common import SideBySide, arg_parser, load_engine
 
 from kamera_engine import Engine
+from kamera_engine.vision import VisionEngine
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 GOAL = "Turn on dark mode."
 HOME = ("Wi-Fi", "Bluetooth", "Display", "Sound")
@@ -72,7 +78,7 @@ class Phone:
             self.switches[label] = not self.switches[label]
 
 
-def screenshot(tree: str):
+def screenshot(tree: str) -> Image.Image:
     """The screen as pixels: the accessibility tree drawn as a phone screen (what a VLM agent would see)."""
     from PIL import Image, ImageDraw
 
@@ -86,13 +92,12 @@ def screenshot(tree: str):
     return img
 
 
-def load(args) -> Engine:
+def load(args: argparse.Namespace) -> Engine:
     """The default text model, a VLM by id or path (``--model``), or a tiny random VLM (``--tiny-vlm``)."""
     if args.model:
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
         return Engine.load(args.model, device=args.device)
     if args.tiny_vlm:
-        from kamera_engine.vision import VisionEngine
         from kamera_engine.vision.tiny import build_tiny_vlm
 
         path = build_tiny_vlm(args.tiny_vlm, tempfile.mkdtemp(prefix="kamera-gui-agent-"))
@@ -109,7 +114,7 @@ def main() -> None:
     steps = args.steps or (3 if args.short else 16)
     keep = 2 if args.short else 3  # observations kept in the window
     engine = load(args)
-    pixels = hasattr(engine, "register_image")  # a vision-language engine: observe screenshots
+    pixels = isinstance(engine, VisionEngine)  # a vision-language engine: observe screenshots
     print("observations:", "screenshots (add_image)" if pixels else "accessibility-tree text (add_text)")
     session = SideBySide(engine)
     phone = Phone()
@@ -129,7 +134,7 @@ def main() -> None:
             print("    seen before and slid out: recall")
             session.recall(known)
         elif pixels:
-            seen[obs] = session._each("add_image", screenshot(obs))[0]
+            seen[obs] = session.add_image(screenshot(obs))
             print("    new screenshot: vision tower + one conditioned forward")
         else:
             seen[obs] = session.add_text(obs)

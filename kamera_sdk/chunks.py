@@ -39,7 +39,8 @@ class StoredPatch:
     """A patch for one chunk and the antecedent(s) it was formed on.
 
     ``kind``: ``"exact"`` (one conditioned forward in this order), ``"orbit"`` (averaged over several
-    orderings of the same set), or ``"fresh"`` (formed at recall on the chunk's fixed earlier context).
+    orderings of the same set), ``"fresh"`` (formed at recall on the chunk's fixed earlier context), or
+    ``"removal"`` (a slide survivor re-conditioned on what remains, ``survivors="patch"``).
     """
 
     patch: Patch

@@ -100,6 +100,7 @@ class Persistence:
 
 
 def _frame(chunk: Chunk) -> str:
-    """Key suffix of a chunk's position-free frame. Vision chunks: every M-RoPE axis at angle 0, deltas
-    stored with the canonical; entries written in the older linear frame (no suffix) are never read."""
+    """Key suffix naming the version of a chunk's position-free frame. Vision chunks (every family, M-RoPE
+    or not): the frame where every rotary axis is at angle 0, with the per-token deltas stored alongside
+    (None outside M-RoPE); entries written before that frame (no suffix) are never read."""
     return ";frame=axes" if chunk.kind in VISION_KINDS else ""

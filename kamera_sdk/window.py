@@ -96,8 +96,7 @@ class ContextWindow:
         self._graph = DependencyGraph()
         self._stats = WindowStats(policy=self.policy.name)
         self._step = 0
-        self._version = 0
-        self._cache: tuple[int, Plan, Execution] | None = None
+        self._cache: tuple[Plan, Execution] | None = None  # the last plan and its execution; any change drops it
         # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward; every window
         # change drops it (``_changed``), so it always belongs to the window as it is
         self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
@@ -256,7 +255,8 @@ class ContextWindow:
         self._enforce_budget()
 
     def slide(self, n: int = 1) -> list[ChunkId]:
-        """Drop the oldest ``n`` chunks (they stay recallable); survivors only need rotation."""
+        """Drop the oldest ``n`` chunks (they stay recallable); survivors are served by rotation only, or
+        re-conditioned once with a removal patch under ``survivors="patch"``."""
         if not isinstance(n, int) or n < 0 or n > len(self._slots):
             raise WindowOperationError(f"cannot slide {n!r} chunks out of a window of {len(self._slots)}")
         t0 = time.perf_counter()
@@ -310,7 +310,6 @@ class ContextWindow:
         child._graph = self._graph.copy()
         child._stats = WindowStats(policy=self.policy.name)
         child._step = self._step
-        child._version = 0
         child._cache = None
         child._prompt_memo = None
         for cid in child.chunks:
@@ -412,7 +411,7 @@ class ContextWindow:
             [False] * plan.anchor_len + [sp.chunk.kind in VISION_KINDS for sp in plan.slots for _ in sp.chunk.token_ids]
         )
         t0 = time.perf_counter()
-        c = prefill_compressed(self.engine, execution.assembled, window_ids, ids, self.compressor, vision)
+        c = prefill_compressed(self.engine, execution.parts, window_ids, ids, self.compressor, vision)
         self._stats.compression_stats_tokens += c.stats_tokens
         self._stats.kv_bytes_fraction = c.kv_bytes_fraction
         self._stats.time("compress", time.perf_counter() - t0)
@@ -555,7 +554,7 @@ class ContextWindow:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt must not be empty")
-            if self._refs or "IMAGE#" in prompt:
+            if "IMAGE#" in prompt:
                 from .vision import check_prompt_refs
 
                 check_prompt_refs(self, prompt)
@@ -571,9 +570,9 @@ class ContextWindow:
         self._stats.time("prompt", time.perf_counter() - t0)
 
     def _changed(self, op: str, t0: float | None = None) -> None:
-        self._version += 1
         self._step += 1
-        self._prompt_memo = None  # the kept prefill belongs to the window as it was: free it now
+        self._cache = None  # plan, assembled window and kept prefill belong to the window as it was: free them
+        self._prompt_memo = None
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 
@@ -600,8 +599,8 @@ class ContextWindow:
         plan's trailing forward when there is one (then kept for ``_prefilled``)."""
         if not self._slots:
             raise WindowOperationError("the window is empty: add a chunk first")
-        if self._cache is not None and self._cache[0] == self._version:
-            return self._cache[1], self._cache[2]
+        if self._cache is not None:
+            return self._cache
         t0 = time.perf_counter()
         self._flush_stale()
         plan = self.policy.plan(self._view())
@@ -621,7 +620,7 @@ class ContextWindow:
                 self._stats.envelope_rebuild += 1
         self.policy.observe(plan, execution.placed)
         self._slots = execution.slots
-        self._cache = (self._version, plan, execution)
+        self._cache = (plan, execution)
         self._stats.time("materialise", time.perf_counter() - t0)
         self._log_plan(plan)
         if execution.prompt is not None:  # only when a prompt was passed

@@ -27,7 +27,6 @@ token ids like any other:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +38,10 @@ from torch import nn
 from .. import operator as op
 from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
-from ..kv import KV, Past, past_parts, to_cache
+from ..kv import KV, Past
 from ..operator import Patch
 from ..rope import RopeSpec
-from ..runner import ForwardResult
+from ..runner import ForwardResult, past_cache
 from .base import Features, MediaInput, VisionFamily, family_for
 from .cache import VisionCache, tensors_device
 from .mrope import MRopeSpec
@@ -203,30 +202,13 @@ class VisionEngine(Engine):
         return rows, deltas, deep
 
     # --- forward ----------------------------------------------------------------------------------
-    def forward(
-        self, ids: Sequence[int] | torch.Tensor, past: Past, start: int, *, logits: str = "last"
-    ) -> ForwardResult:
-        """Prefill ``ids`` (text and virtual vision ids) at linear positions ``start...`` after ``past``
-        (a placed KV or its parts in order)."""
-        input_ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long)
-        if input_ids.ndim != 1 or input_ids.numel() == 0:
-            raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
-        parts = past_parts(past)
-        limit = self.adapter.max_context()
-        if limit is not None and start + int(input_ids.numel()) > limit:
-            raise UnsupportedModelError(f"{self.name}: window exceeds the sliding window ({limit})")
-        t0 = time.perf_counter()
-        res = self._run(input_ids, parts, start, logits)
-        self.counters.forwards += 1
-        self.counters.tokens_prefilled += int(input_ids.numel())
-        self.counters.forward_s += time.perf_counter() - t0
-        return res
-
     @torch.inference_mode()
-    def _run(self, input_ids: torch.Tensor, parts: list[KV], start: int, logits: str) -> ForwardResult:
+    def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
+        """Text and virtual vision ids at linear positions ``start...``; vision rows come from the cache of
+        tower outputs, M-RoPE positions from their deltas."""
         dev = self.device
+        cache, n_past = past_cache(input_ids, past, self._text_config(), dev)
         n_new = int(input_ids.shape[0])
-        n_past = sum(len(p) for p in parts)
         virt = input_ids >= self.vocab_size
         embeds = self.family.embed_tokens()(input_ids.masked_fill(virt, 0)[None].to(dev))  # (1, T, hidden)
         linear = torch.arange(start, start + n_new, dtype=torch.long)
@@ -243,7 +225,6 @@ class VisionEngine(Engine):
                 deep_list = [d.to(dev, embeds.dtype) for d in deep]
                 mask = virt[None].to(dev)
         pos = self.family.position_ids(linear, deltas).to(dev)
-        cache = to_cache([p.to(dev) for p in parts], self._text_config(), reserve=n_new)
         lm = self.family.language_model()
         out = lm(
             inputs_embeds=embeds,
@@ -255,7 +236,7 @@ class VisionEngine(Engine):
         hidden = out.last_hidden_state
         head = self.family.lm_head()
         lg = head(hidden[0] if logits == "all" else hidden[0, -1:]).float()
-        new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, linear).with_deltas(deltas)
+        new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, linear, deltas)
         return ForwardResult(new_kv, lg, out.past_key_values)
 
     def _text_config(self) -> Any:

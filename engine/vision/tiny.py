@@ -110,7 +110,7 @@ def _qwen2_vl(tok: Any) -> tuple[Any, Any]:
     import transformers as T
 
     cfg = T.Qwen2VLConfig(
-        text_config=_text(tok, rope_parameters=_MROPE),
+        text_config=_text(tok, rope_parameters=dict(_MROPE)),
         vision_config=dict(
             depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
         ),
@@ -124,7 +124,7 @@ def _qwen2_5_vl(tok: Any) -> tuple[Any, Any]:
     import transformers as T
 
     cfg = T.Qwen2_5_VLConfig(
-        text_config=_text(tok, rope_parameters=_MROPE),
+        text_config=_text(tok, rope_parameters=dict(_MROPE)),
         vision_config=dict(
             depth=2,
             hidden_size=32,
@@ -151,7 +151,7 @@ def _qwen3_vl(tok: Any) -> tuple[Any, Any]:
             tok,
             num_hidden_layers=3,
             head_dim=16,
-            rope_parameters=_MROPE,
+            rope_parameters=dict(_MROPE),
         ),
         vision_config=dict(
             depth=2,

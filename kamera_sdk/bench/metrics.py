@@ -19,8 +19,13 @@ def eta(kl_repaired: float, kl_blind: float) -> float:
     return 1.0 - kl_repaired / kl_blind if kl_blind > 0 else 1.0
 
 
-def timed(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs, after ``warmup`` runs."""
+def timed(
+    fn: Callable[[], object],
+    repeat: int = 5,
+    warmup: int = 1,
+    reduce: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """Wall time of ``fn`` over ``repeat`` runs after ``warmup`` runs, reduced (median by default)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -28,7 +33,7 @@ def timed(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return reduce(times)
 
 
 def mean(xs: list[float]) -> float:

@@ -23,7 +23,7 @@ from ..config import WindowConfig
 from ..console import err, track
 from ..window import ContextWindow
 from .corpus import Page, Question, load_corpus
-from .metrics import kl, mean
+from .metrics import kl, mean, timed
 
 POLICIES = ("recompute", "prefix", "blind", "kamera")
 #: Extra arms: a policy under a non-default config, reported next to the policies.
@@ -200,16 +200,8 @@ def slide_floor(engine: Engine, step: Step, repeats: int = 3) -> dict[str, float
     past = engine.forward(old, engine.anchor_kv, a, logits="none").kv
     window = [engine.anchor_kv, past]
 
-    def best(fn: Any) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    new_s = best(lambda: engine.forward(ids[-1] + q, window, a + len(old)))
-    full_s = best(lambda: engine.forward(old + ids[-1] + q, engine.anchor_kv, a))
+    new_s = timed(lambda: engine.forward(ids[-1] + q, window, a + len(old)), repeat=repeats, warmup=0, reduce=min)
+    full_s = timed(lambda: engine.forward(old + ids[-1] + q, engine.anchor_kv, a), repeat=repeats, warmup=0, reduce=min)
     return {
         "new_page_tokens": len(ids[-1]),
         "window_tokens": len(old) + len(ids[-1]),

@@ -12,7 +12,7 @@ from kamera_engine import KV, Engine, SamplingParams
 from kamera_engine.adapters.base import capture_queries
 from kamera_engine.attention_stats import attention_probs_sum
 from kamera_engine.decode import decode_tokens
-from kamera_engine.kv import to_cache
+from kamera_engine.kv import Past, past_parts, to_cache
 
 from .base import CompressionInput, CompressionPolicy
 
@@ -32,17 +32,19 @@ class Compressed:
 
 def prefill_compressed(
     engine: Engine,
-    past: KV,
+    past: Past,
     window_ids: Sequence[int],
     prompt_ids: Sequence[int],
     policy: CompressionPolicy,
     vision: torch.Tensor | None = None,
 ) -> Compressed:
-    """``past``: the assembled window (anchor + chunks) at positions 0..N-1; ``window_ids`` its N tokens."""
-    start = len(past)
+    """``past``: the window (anchor + chunks; one KV or its parts) at positions 0..N-1; ``window_ids`` its N
+    tokens."""
+    parts = past_parts(past)
+    start = sum(len(p) for p in parts)
     with capture_queries(engine.model) as prompt_q:
-        res = engine.forward(prompt_ids, past, start, logits="last")
-    full = KV.cat([past, res.kv.to("cpu")])
+        res = engine.forward(prompt_ids, parts, start, logits="last")
+    full = KV.cat([*parts, res.kv.to("cpu")])
     n_tok = len(full)
     n_prompt = len(prompt_ids)
     stats_tokens = 0

@@ -252,6 +252,7 @@ def test_prompt_rides_in_the_trailing_forward(engine) -> None:
     assert list(engine.continue_ids(memo, SamplingParams(max_new_tokens=6))) == from_memo  # reusable snapshot
     win.slide(1)
     assert win._prompt_memo is None  # a window operation frees the kept prefill
+    assert win._cache is None  # and the plan's forward it came from
 
 
 def test_survivor_removal_patch_option(engine) -> None:
