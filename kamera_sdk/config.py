@@ -42,5 +42,9 @@ class WindowConfig(BaseModel):
     envelope: EnvelopeConfig = Field(default_factory=EnvelopeConfig)
     seed: int = 0
 
+    def patch_rank(self, kind: str) -> int:
+        """The rank patches of ``kind`` are formed at (and the least a stored one may have to be reused)."""
+        return self.survivor_rank if kind == "removal" else self.rank
+
     def torch_patch_dtype(self) -> torch.dtype | None:
         return None if self.patch_dtype is None else _DTYPES[self.patch_dtype]

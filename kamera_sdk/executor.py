@@ -230,9 +230,8 @@ class Executor:
         t0 = time.perf_counter()
         canonical = self.canonical(chunk)
         layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
-        rank = self.config.survivor_rank if pending.kind == "removal" else self.config.rank
         patch = self.engine.form_patch(
-            conditioned, canonical, rank, layers=layers, dtype=self.config.torch_patch_dtype()
+            conditioned, canonical, self.config.patch_rank(pending.kind), layers=layers, dtype=self.config.torch_patch_dtype()
         )
         stored = StoredPatch(patch, pending.antecedent, kind=pending.kind)
         self.table.add_patch(chunk, stored)

@@ -38,6 +38,13 @@ def _dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
     return formed_on[head + k :] == current[head:]
 
 
+def _full_rank(p: StoredPatch, view: WindowView) -> bool:
+    """A stored patch is reused only at the rank the config forms its kind at (one loaded from a store
+    written under a lower rank is re-formed). A patch cannot exceed its chunk's tokens or features."""
+    ceiling = min(p.patch.num_tokens, p.patch.k_vt.shape[-1])
+    return p.patch.rank >= min(view.config.patch_rank(p.kind), ceiling)
+
+
 @register_policy
 @dataclass
 class KameraPolicy(ReusePolicy):
@@ -91,7 +98,7 @@ class KameraPolicy(ReusePolicy):
     def _survivor_patch(self, view: WindowView, chunk: Chunk, start: int, ante: Antecedent) -> SlotPlan:
         """survivors='patch': a patch formed on exactly what remains, else re-condition and store one."""
         for p in chunk.patches:
-            if p.antecedent == ante and p.kind != "orbit":
+            if p.antecedent == ante and p.kind != "orbit" and _full_rank(p, view):
                 return self._patch_plan(view, chunk, start, ante, p)
         return SlotPlan(
             chunk,
@@ -113,7 +120,7 @@ class KameraPolicy(ReusePolicy):
         """The stored patch to reuse for ``ante``, or None to rebuild (decisions are logged by the window)."""
         best: tuple[tuple[int, int], StoredPatch] | None = None
         for p in chunk.patches:
-            if p.patch.rank < min(view.config.rank, p.patch.num_tokens) and p.kind != "orbit":
+            if not _full_rank(p, view):
                 continue
             verdict = judge(p.antecedent, ante, view.config.envelope)
             if not verdict.reuse:

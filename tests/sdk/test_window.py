@@ -277,3 +277,20 @@ def test_survivor_removal_patch_option(engine) -> None:
     win.evict(ids[2])
     win.recall(ids[2], at=1)  # the same place behind the same chunk: the stored removal patch serves it
     assert win.plan().slots[1].source is Source.PATCH
+
+
+def test_removal_patch_below_the_conditioning_rank_is_reused(engine) -> None:
+    """A removal patch is formed at survivor_rank; reuse judges it at that rank, not at ``rank``, whichever
+    path finds it (survivor or recall)."""
+    win = ContextWindow(engine, config=WindowConfig(survivors="patch", survivor_rank=4, rank=8))
+    ids = [win.add(random_ids(10 + i, seed=400 + i)) for i in range(4)]
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    win.next_token_logprobs(PROMPT)
+    win.flush()
+    removal = [p for p in win.chunk(ids[2]).patches if p.kind == "removal"]
+    assert len(removal) == 1 and removal[0].patch.rank == 4
+    win.evict(ids[2])
+    win.recall(ids[2], at=1)
+    sp = win.plan().slots[1]
+    assert (sp.source, sp.patch) == (Source.PATCH, removal[0])
