@@ -33,8 +33,11 @@ class WindowModelMachine(RuleBasedStateMachine):
         fn(self.kam)
         fn(self.rec)
 
-    def _admitted(self, cid: str) -> None:
-        """Model bookkeeping after an add: a window is a set; adding an evicted chunk recalls it."""
+    def add_to_both(self, add) -> None:
+        """``add`` on both windows (the same content id), then the model's bookkeeping: a window is a set;
+        adding an evicted chunk recalls it."""
+        cid = add(self.kam)
+        assert add(self.rec) == cid
         if cid in self.order:
             return
         if cid in self.evicted:

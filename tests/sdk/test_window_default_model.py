@@ -40,5 +40,3 @@ def test_slide_floor_prefills_the_last_page_over_the_others(default_engine: Engi
     floor = slide_floor(default_engine, first, repeats=1)
     assert floor["new_page_tokens"] == len(pages[-1])
     assert floor["window_tokens"] == sum(len(p) for p in pages)
-    assert floor["new_page_forward_s"] > 0 and floor["window_prefill_s"] > 0
-    assert floor["ratio"] == floor["new_page_forward_s"] / floor["window_prefill_s"]

@@ -34,10 +34,7 @@ class WindowMachine(WindowModelMachine):
 
     @rule(i=st.integers(0, len(POOL) - 1))
     def add(self, i: int) -> None:
-        ids = POOL[i]
-        cid = self.kam.add(ids)
-        assert self.rec.add(ids) == cid
-        self._admitted(cid)
+        self.add_to_both(lambda w: w.add(POOL[i]))
 
     @rule(which=st.integers(0, 4))
     def invalid(self, which: int) -> None:

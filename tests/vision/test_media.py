@@ -23,6 +23,7 @@ from kamera_engine.errors import (
     UnsupportedSchemeError,
 )
 from kamera_sdk.media import FetchLimits, image_digest, load_image, load_video
+from tests.vision.conftest import write_video
 
 
 def png_bytes(size: tuple[int, int] = (24, 16), color: tuple[int, int, int] = (200, 30, 60)) -> bytes:
@@ -159,23 +160,9 @@ def test_undecodable_inputs_raise_clear_errors(server: str, tmp_path: Path) -> N
         load_image(Image.new("RGB", (100, 100)), limits=FetchLimits(max_pixels=50))
 
 
-def _write_video(path: Path, n_frames: int = 12, fps: int = 4) -> None:
-    import av
-
-    with av.open(str(path), mode="w") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for i in range(n_frames):
-            img = Image.new("RGB", (32, 32), (20 * i % 256, 100, 255 - 20 * i % 256))
-            for packet in stream.encode(av.VideoFrame.from_image(img)):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-
-
 def test_video_file_decodes_samples_and_segments(tmp_path: Path) -> None:
     path = tmp_path / "clip.mp4"
-    _write_video(path)  # 12 frames at 4 fps = 3 s
+    write_video(path)  # 12 frames at 4 fps = 3 s
     every = load_video(path, sample_fps=None)
     assert len(every) == 12
     sampled = load_video(path, sample_fps=2.0)

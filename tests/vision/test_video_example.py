@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vision.test_media import _write_video
+from tests.vision.conftest import write_video
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_video_agent_short(family: str) -> None:
 
 def test_video_agent_on_a_video_file(tmp_path: Path) -> None:
     path = tmp_path / "clip.mp4"
-    _write_video(path, n_frames=8, fps=1)
+    write_video(path, n_frames=8, fps=1)
     out = run("--video", str(path))
     assert "8 frames -> 4 segments" in out
     assert "Kamera saved" in out
