@@ -37,8 +37,8 @@ def section_axes(section: Sequence[int], n_freq: int) -> torch.Tensor:
 def interleaved_axes(section: Sequence[int], n_freq: int) -> torch.Tensor:
     """Axis of each rotary frequency for interleaved M-RoPE (Qwen3-VL): h at 1, 4, ... below
     ``3 * section[1]``, w at 2, 5, ... below ``3 * section[2]``, t everywhere else. (n_freq,) long."""
-    if len(section) != 3:
-        raise UnsupportedModelError(f"mrope_section {list(section)} needs three axes")
+    if len(section) != 3 or sum(section) != n_freq:
+        raise UnsupportedModelError(f"mrope_section {list(section)} does not cover {n_freq} rotary frequencies")
     axes = torch.zeros(n_freq, dtype=torch.long)
     for axis in (1, 2):
         axes[axis : 3 * int(section[axis]) : 3] = axis

@@ -38,10 +38,8 @@ class Qwen2VLFamily(VisionFamily):
 
     def validate(self) -> None:
         text = self.config.get_text_config()
-        section = list((text.rope_parameters or {}).get("mrope_section") or [])
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        if section and sum(section) != head_dim // 2:
-            raise UnsupportedModelError(f"mrope_section {section} does not cover head_dim/2 = {head_dim // 2}")
+        self.rope_axes(head_dim // 2)  # a missing or mis-sized mrope_section is refused at load
 
     def mrope_section(self) -> list[int]:
         """Rotary frequencies per axis (t, h, w), as the model's rotary embedding uses them."""

@@ -17,23 +17,10 @@ from kamera_engine import KV, UnsupportedModelError
 from kamera_engine.vision.mechanics import noise_image
 from kamera_sdk import ContextWindow, InvalidInputError, Source
 from tests.conftest import tiny_engine as tiny_text_engine
-from tests.vision.conftest import vlm
+from tests.vision.conftest import close, reprefill, vlm
 from tests.window_machine import WindowModelMachine
 
 PROMPT_TEXT = "Question: w3 w4 w5"
-
-
-def reprefill(win: ContextWindow, prompt: list[int]) -> torch.Tensor:
-    e = win.engine
-    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    kv = e.forward(ids, e.anchor_kv, len(e.anchor_ids), logits="none").kv
-    past = KV.cat([e.anchor_kv, kv])
-    return e.next_token_logprobs(past, prompt, len(past))
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Recompute vs re-prefill: the same forward, up to float noise of the attention kernels."""
-    return (a - b).abs().max().item() <= 1e-5
 
 
 def _survivor_is_a_rotation(e, got: KV, expect: KV) -> None:
@@ -62,13 +49,13 @@ def test_mixed_window_matches_reprefill(family: str, tmp_path_factory: pytest.Te
     assert kam.chunks == rec.chunks and len(kam.chunks) == 4
     assert [kam.chunk(c).kind for c in kam.chunks] == ["text", "image", "text", "image"]
     ref = reprefill(rec, prompt)
-    assert _close(rec.next_token_logprobs(prompt), ref)
+    assert close(rec.next_token_logprobs(prompt), ref)
     kam.next_token_logprobs(prompt)  # first use: forwards in context, patches pending
     order = [kam.chunks[i] for i in (3, 0, 2, 1)]
     for w in (kam, rec):
         w.reorder(order)
     ref = reprefill(rec, prompt)
-    assert _close(rec.next_token_logprobs(prompt), ref)
+    assert close(rec.next_token_logprobs(prompt), ref)
     assert _kl(ref, kam.next_token_logprobs(prompt)) < 0.05
     # slide: survivors are rotations of their conditioned KV
     kam.next_token_logprobs(prompt)
@@ -86,7 +73,7 @@ def test_mixed_window_matches_reprefill(family: str, tmp_path_factory: pytest.Te
     for w in (kam, rec):
         w.recall(gone[0], at=0)
     ref = reprefill(rec, prompt)
-    assert _close(rec.next_token_logprobs(prompt), ref)
+    assert close(rec.next_token_logprobs(prompt), ref)
     assert _kl(ref, kam.next_token_logprobs(prompt)) < 0.05
     # fork: copy-on-write, isolated
     lp = kam.next_token_logprobs(prompt)
@@ -144,7 +131,7 @@ def test_deepstack_survivor_removal_patch(tmp_path_factory: pytest.TempPathFacto
     win.slide(1)
     rec.slide(1)
     assert [sp.source for sp in win.plan().slots] == [Source.LEAD, Source.FORWARD]
-    assert _close(win.next_token_logprobs(prompt), rec.next_token_logprobs(prompt))
+    assert close(win.next_token_logprobs(prompt), rec.next_token_logprobs(prompt))
     win.flush()
     removal = [p for p in win.chunk(ids[2]).patches if p.kind == "removal"]
     assert len(removal) == 1 and removal[0].antecedent == (ids[1],)
@@ -223,13 +210,10 @@ class MixedWindowMachine(WindowModelMachine):
     @rule(i=st.integers(0, 7))
     def add(self, i: int) -> None:
         if i < 4:
-            cid = self.kam.add_image(noise_image(700 + i, (60 + 20 * i, 60)))
-            assert self.rec.add_image(noise_image(700 + i, (60 + 20 * i, 60))) == cid
+            self.add_to_both(lambda w: w.add_image(noise_image(700 + i, (60 + 20 * i, 60))))
         else:
             text = " ".join(f"w{j}" for j in range(i, i + 3 + i % 3))
-            cid = self.kam.add_text(text)
-            assert self.rec.add_text(text) == cid
-        self._admitted(cid)
+            self.add_to_both(lambda w: w.add_text(text))
 
     @rule(which=st.integers(0, 3))
     def invalid(self, which: int) -> None:
@@ -244,7 +228,7 @@ class MixedWindowMachine(WindowModelMachine):
     @invariant()
     def recompute_equals_reprefill(self) -> None:
         if self.order:
-            assert _close(self.rec.next_token_logprobs(self.prompt), reprefill(self.rec, self.prompt))
+            assert close(self.rec.next_token_logprobs(self.prompt), reprefill(self.rec, self.prompt))
             assert torch.isfinite(self.kam.next_token_logprobs(self.prompt)).all()
 
     @invariant()
@@ -267,3 +251,13 @@ def test_scripted_trace_one_tower_run_per_distinct_image(family: str, tmp_path_f
     assert r["recalls"] >= 4 and r["slides"] >= 4 and r["survivors_rotated"] > 0
     assert r["kamera_tokens_prefilled"] < r["recompute_tokens_prefilled"]
     assert r["kl_mean"] < 0.05
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_mrope_section_must_cover_the_rotary_frequencies(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    e = vlm(family, tmp_path_factory.getbasetemp() / "vlm")
+    fam = type(e.family)(e.family.model, e.family.processor)
+    fam.validate()  # the real section passes
+    fam.mrope_section = lambda: [1, 2, 3]
+    with pytest.raises(UnsupportedModelError, match=r"mrope_section \[1, 2, 3\] does not cover"):
+        fam.validate()
