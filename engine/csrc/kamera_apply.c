@@ -84,6 +84,18 @@ static inline void put16(float *p, v16 x, int stream) {
     *(v16 *)p = x;
 }
 
+/* out[b][f] = src[b][f] + u[b] . vt[:, f] for rows b < n, features f >= f0: the scalar path (a block's last
+ * features, a layer's last rows). */
+static void add_rows(float *restrict out, const float *restrict src, const float *restrict u,
+                     const float *restrict vt, int64_t F, int64_t m, int64_t n, int64_t f0) {
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t f = f0; f < F; f++) {
+            float x = src[b * F + f];
+            for (int64_t k = 0; k < m; k++) x += u[b * m + k] * vt[k * F + f];
+            out[b * F + f] = x;
+        }
+}
+
 /* out[BLOCK][F] = src[BLOCK][F] + u[BLOCK][m] @ vt[m][F]: 64 features x BLOCK rows of accumulators stay
  * in registers across k, and each load of vt serves BLOCK rows.
  * cs/sn (BLOCK rows of 32 cos / sin): rotate each 64-feature chunk in registers as one head of
@@ -130,12 +142,7 @@ static void gemm_block(float *restrict out, const float *restrict src, const flo
         }
         for (int b = 0; b < BLOCK; b++) put16(out + b * F + f, c[b], stream);
     }
-    for (; f < F; f++)
-        for (int b = 0; b < BLOCK; b++) {
-            float x = src[b * F + f];
-            for (int64_t k = 0; k < m; k++) x += u[b * m + k] * vt[k * F + f];
-            out[b * F + f] = x;
-        }
+    add_rows(out, src, u, vt, F, m, BLOCK, f);
 }
 
 static void *run_job(void *arg) {
@@ -172,15 +179,7 @@ static void *run_job(void *arg) {
             if (n == BLOCK)
                 gemm_block(buf, src, u, vt, F, m, NULL, NULL, 0);
             else
-                for (int64_t b = 0; b < n; b++) {
-                    float *row = buf + b * F;
-                    memcpy(row, src + b * F, sizeof(float) * F);
-                    for (int64_t k = 0; k < m; k++) {
-                        const float a = u[b * m + k];
-                        const float *v = vt + k * F;
-                        for (int64_t f = 0; f < F; f++) row[f] += a * v[f];
-                    }
-                }
+                add_rows(buf, src, u, vt, F, m, n, 0);
             if (rotate)
                 for (int64_t b = 0; b < n; b++)
                     rotate_row(buf + b * F, out + b * F, j->cos + (t + b) * hr, j->sin + (t + b) * hr, j->H, j->D,
