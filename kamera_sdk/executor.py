@@ -231,7 +231,11 @@ class Executor:
         canonical = self.canonical(chunk)
         layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
         patch = self.engine.form_patch(
-            conditioned, canonical, self.config.patch_rank(pending.kind), layers=layers, dtype=self.config.torch_patch_dtype()
+            conditioned,
+            canonical,
+            self.config.patch_rank(pending.kind),
+            layers=layers,
+            dtype=self.config.torch_patch_dtype(),
         )
         stored = StoredPatch(patch, pending.antecedent, kind=pending.kind)
         self.table.add_patch(chunk, stored)
