@@ -6,7 +6,6 @@ in ``POLICIES``. It declares what it needs as class attributes so the window nev
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,7 +14,7 @@ from kamera_engine import Engine, InvalidInputError
 from ..chunks import Antecedent, Chunk, ChunkTable
 from ..config import WindowConfig
 from ..graph import DependencyGraph
-from ..plan import Plan, SlotPlan
+from ..plan import Plan
 from ..slots import Slot
 
 
@@ -66,11 +65,6 @@ class ReusePolicy:
     def fork(self) -> ReusePolicy:
         """The policy instance a forked window uses (shared state unless a policy says otherwise)."""
         return self
-
-    # helpers for subclasses
-    @staticmethod
-    def slot_plans(view: WindowView, decide: Callable[[int, Slot, Chunk, int, Antecedent], SlotPlan]) -> list[SlotPlan]:
-        return [decide(i, slot, chunk, start, ante) for i, (slot, chunk, start, ante) in enumerate(view.layout())]
 
 
 POLICIES: dict[str, type[ReusePolicy]] = {}

@@ -10,28 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan, RecomputeSpec, SlotPlan, Source
-from .base import ReusePolicy, WindowView, register_policy
+from ..chunks import Chunk
+from ..plan import RecomputeSpec
+from .base import register_policy
+from .selective import SelectivePolicy
 
 
 @register_policy
 @dataclass
-class CacheBlendPolicy(ReusePolicy):
+class CacheBlendPolicy(SelectivePolicy):
     name = "cacheblend"
-    keeps_slot_kv = False
     ratio: float = 0.15
     check_layer: int = 1
 
-    def plan(self, view: WindowView) -> Plan:
-        slots = []
-        for i, (_, chunk, start, ante) in enumerate(view.layout()):
-            if i == 0:
-                slots.append(SlotPlan(chunk, start, ante, Source.LEAD, reason="leading chunk: exact"))
-            else:
-                every = list(range(len(chunk)))
-                slots.append(
-                    SlotPlan(
-                        chunk, start, ante, Source.SELECTIVE, recompute_tokens=every, reason="cacheblend candidates"
-                    )
-                )
-        return Plan(self.name, slots, view.anchor_len, RecomputeSpec(self.ratio, self.check_layer))
+    def candidates(self, chunk: Chunk) -> tuple[list[int], str]:
+        return list(range(len(chunk))), "cacheblend candidates"
+
+    def recompute_spec(self) -> RecomputeSpec:
+        return RecomputeSpec(self.ratio, self.check_layer)

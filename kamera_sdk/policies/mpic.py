@@ -10,25 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan, RecomputeSpec, SlotPlan, Source
-from .base import ReusePolicy, WindowView, register_policy
+from ..chunks import Chunk
+from ..plan import RecomputeSpec
+from .base import register_policy
+from .selective import SelectivePolicy
 
 
 @register_policy
 @dataclass
-class MPICPolicy(ReusePolicy):
+class MPICPolicy(SelectivePolicy):
     name = "mpic"
-    keeps_slot_kv = False
     k: int = 32
 
-    def plan(self, view: WindowView) -> Plan:
-        slots = []
-        for i, (_, chunk, start, ante) in enumerate(view.layout()):
-            if i == 0:
-                slots.append(SlotPlan(chunk, start, ante, Source.LEAD, reason="leading chunk: exact"))
-            else:
-                first = list(range(min(self.k, len(chunk))))
-                slots.append(
-                    SlotPlan(chunk, start, ante, Source.SELECTIVE, recompute_tokens=first, reason=f"first {self.k}")
-                )
-        return Plan(self.name, slots, view.anchor_len, RecomputeSpec(1.0, None))
+    def candidates(self, chunk: Chunk) -> tuple[list[int], str]:
+        return list(range(min(self.k, len(chunk)))), f"first {self.k}"
+
+    def recompute_spec(self) -> RecomputeSpec:
+        return RecomputeSpec(1.0, None)
