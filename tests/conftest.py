@@ -8,7 +8,7 @@ import transformers as T
 
 from kamera_engine import Engine
 
-_COMMON = dict(
+TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -20,11 +20,11 @@ _THETA = 10000.0
 
 #: name -> config factory. Every adapter and every supported RoPE scaling appears here.
 TINY_CONFIGS = {
-    "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **_COMMON),
+    "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **TINY_COMMON),
     "llama-linear": lambda: T.LlamaConfig(
         num_key_value_heads=2,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": _THETA},
-        **_COMMON,
+        **TINY_COMMON,
     ),
     "llama-llama3": lambda: T.LlamaConfig(
         num_key_value_heads=2,
@@ -36,7 +36,7 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 256,
             "rope_theta": _THETA,
         },
-        **_COMMON,
+        **TINY_COMMON,
     ),
     "llama-yarn": lambda: T.LlamaConfig(
         num_key_value_heads=2,
@@ -46,22 +46,14 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 256,
             "rope_theta": _THETA,
         },
-        **_COMMON,
+        **TINY_COMMON,
     ),
-    "mistral": lambda: T.MistralConfig(num_key_value_heads=2, **_COMMON),
-    "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **_COMMON),
-    "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **_COMMON),
-    "phi3": lambda: T.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, **_COMMON),
-    "gpt_neox": lambda: T.GPTNeoXConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=128,
-        max_position_embeddings=8192,
-        rotary_pct=0.25,
-    ),
-    "phi": lambda: T.PhiConfig(partial_rotary_factor=0.5, **_COMMON),
+    "mistral": lambda: T.MistralConfig(num_key_value_heads=2, **TINY_COMMON),
+    "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **TINY_COMMON),
+    "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **TINY_COMMON),
+    "phi3": lambda: T.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, **TINY_COMMON),
+    "gpt_neox": lambda: T.GPTNeoXConfig(rotary_pct=0.25, **TINY_COMMON),
+    "phi": lambda: T.PhiConfig(partial_rotary_factor=0.5, **TINY_COMMON),
 }
 
 ANCHOR = [1, 2, 3, 4]

@@ -9,7 +9,7 @@ import transformers as T
 
 from kamera_engine import Engine, InvalidInputError, UnsupportedModelError, rotate_keys
 from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
-from tests.conftest import ANCHOR, random_ids
+from tests.conftest import ANCHOR, TINY_COMMON, random_ids
 
 TARGETS = [len(ANCHOR), 37, 1000, 5000]
 
@@ -81,15 +81,7 @@ def test_yarn_attention_factor_is_not_applied_twice() -> None:
     assert torch.allclose(placed.keys.norm(dim=-1), can.keys.norm(dim=-1), rtol=1e-5)
 
 
-_SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=8192,
-)
+_SMALL = dict(TINY_COMMON, num_hidden_layers=1, num_key_value_heads=2)
 
 
 @pytest.mark.parametrize(
