@@ -73,6 +73,8 @@ class Engine:
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        #: token ids a prompt or chunk may hold: the rows of the input embedding
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.name = name or str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.adapter: ModelAdapter = adapter_for(model.config, self.name)
         self.attention = attention or str(getattr(model.config, "_attn_implementation", None) or "sdpa")

@@ -219,14 +219,17 @@ class Executor:
                 pending = None
         elif sp.source in (Source.KEEP, Source.SURVIVOR):
             pending = slot.pending
-        if sp.source is not Source.KEEP:
+        if sp.source is not Source.KEEP or sp.antecedent != slot.antecedent:  # a plain keep is not news
             self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
         absorbed = self._absorbed(sp, slot)
         graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
         return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed, pending)
 
     def form_pending(self, chunk: Chunk, conditioned: KV, pending: PendingPatch) -> StoredPatch:
-        """Form and store the patch of ``chunk`` from its conditioned KV (placed or position-free)."""
+        """Form and store the patch of ``chunk`` from its conditioned KV (placed or position-free); a
+        pending patch another branch already formed is not formed again."""
+        if pending.stored is not None:
+            return pending.stored
         t0 = time.perf_counter()
         canonical = self.canonical(chunk)
         layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
@@ -238,6 +241,7 @@ class Executor:
             dtype=self.config.torch_patch_dtype(),
         )
         stored = StoredPatch(patch, pending.antecedent, kind=pending.kind)
+        pending.stored = stored
         self.table.add_patch(chunk, stored)
         if self.persistence is not None:
             self.persistence.save_patch(chunk, stored)

@@ -1,9 +1,10 @@
 """Dependency graph of conditioning (core paper, appendix E "cascade").
 
 Nodes are chunks and patches; edges run from an antecedent chunk to the patch (or materialised
-conditioning) of a dependent chunk, and from that patch to the chunk. When an antecedent is evicted,
-recalled or changed, everything downstream is marked stale and is re-materialised lazily, in
-topological order, at the next use.
+conditioning) of a dependent chunk, and from that patch to the chunk. When an antecedent is recalled,
+every chunk downstream that is in the window is marked stale and is re-materialised lazily, in window
+order (each one after its antecedents), at the next use. An eviction marks nothing: the chunks that
+absorbed the evicted one keep it as slide survivors do (paper §5); only its return would double it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ class DependencyGraph:
         node = self.chunk_node(chunk_id)
         if node not in self.g:
             self.add_chunk(chunk_id)
-        for pred in list(self.g.predecessors(node)):
-            if pred[0] == "patch":
-                self.g.remove_edge(pred, node)
+        self.drop_conditioning(chunk_id)
         pnode = self.patch_node(chunk_id, antecedent)
         self.g.add_node(pnode, kind=kind, antecedent=antecedent)
         self.g.add_edge(pnode, node)
@@ -52,6 +51,13 @@ class DependencyGraph:
                 self.add_chunk(a)
             self.g.add_edge(anode, pnode)
         self.g.nodes[node]["stale"] = False
+
+    def drop_conditioning(self, chunk_id: ChunkId) -> None:
+        """Forget what ``chunk_id``'s live KV was conditioned on (it was re-materialised, or left the
+        window): the graph holds one conditioning node per live chunk, however long the session."""
+        node = self.chunk_node(chunk_id)
+        if node in self.g:
+            self.g.remove_nodes_from([p for p in list(self.g.predecessors(node)) if p[0] == "patch"])
 
     def dependents(self, chunk_id: ChunkId) -> list[ChunkId]:
         """Chunks whose live conditioning depends (transitively) on ``chunk_id``.

@@ -6,15 +6,20 @@ from dataclasses import dataclass
 
 from kamera_engine import KV
 
-from .chunks import Antecedent, ChunkId
+from .chunks import Antecedent, ChunkId, StoredPatch
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class PendingPatch:
-    """A patch still to be formed from the slot's conditioned KV, and the antecedent it belongs to."""
+    """A patch still to be formed from the slot's conditioned KV, and the antecedent it belongs to.
+
+    Forks share their slots, so one pending patch can sit in several branches: ``stored`` is set when
+    any of them forms it, and the others take that patch instead of forming it again.
+    """
 
     antecedent: Antecedent
     kind: str = "exact"
+    stored: StoredPatch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,7 @@ class Slot:
     source: str = ""
     absorbed: frozenset[ChunkId] = frozenset()
     pending: PendingPatch | None = None
+    recalled: bool = False  # re-admitted after an eviction and not materialised since
 
     def materialised(self) -> bool:
         return self.kv is not None and self.antecedent is not None

@@ -9,6 +9,8 @@ changes anything, so a refused operation leaves the window as it was.
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Literal, overload
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from kamera_engine import (
     KV,
@@ -59,7 +61,8 @@ class ContextWindow:
     """A window of chunks served by a reuse policy over one engine.
 
     ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind`` (and any registered policy).
-    ``rank``: patch rank m. ``budget_tokens``: slide the oldest chunks out when the window exceeds it.
+    ``rank``: patch rank m (default 32). ``budget_tokens``: slide the oldest chunks out when the window
+    exceeds it (a chunk larger than the whole budget is refused). Or pass both inside ``config``.
     ``store``: where canonicals and patches persist: None (this process only), a directory path,
     ``"default"`` (``$KAMERA_HOME/store``), a ``redis://`` URL, or an open ``ChunkStore`` to share.
     """
@@ -68,7 +71,7 @@ class ContextWindow:
         self,
         engine: Engine,
         policy: str | ReusePolicy = "kamera",
-        rank: int = 32,
+        rank: int | None = None,
         budget_tokens: int | None = None,
         store: str | Path | ChunkStore | None = None,
         *,
@@ -77,8 +80,12 @@ class ContextWindow:
         kv_budget: float | None = None,
     ) -> None:
         if config is None:
-            config = WindowConfig(rank=rank, budget_tokens=budget_tokens)
-        elif rank != 32 or budget_tokens is not None:
+            try:
+                config = WindowConfig(rank=32 if rank is None else rank, budget_tokens=budget_tokens)
+            except ValidationError as e:
+                err = e.errors()[0]
+                raise InvalidInputError(f"invalid window option {err['loc'][0]}: {err['msg']}") from e
+        elif rank is not None or budget_tokens is not None:
             raise InvalidInputError("pass rank/budget_tokens either directly or inside config, not both")
         self.engine = engine
         self.config = config
@@ -100,6 +107,7 @@ class ContextWindow:
         # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward; every window
         # change drops it (``_changed``), so it always belongs to the window as it is
         self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
+        self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}  # greedy answers (is_disposable)
         self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
         self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
 
@@ -150,7 +158,9 @@ class ContextWindow:
         return any(s.chunk_id == chunk_id for s in self._slots)
 
     def chunk(self, chunk_id: ChunkId) -> Chunk:
-        """The table entry of a known chunk (in the window or evicted)."""
+        """The table entry of a chunk in this window or evicted from it."""
+        if chunk_id not in self and chunk_id not in self._evicted:
+            raise ChunkNotFoundError(f"chunk {chunk_id!r} is not in this window nor evicted from it")
         return self._table.get(chunk_id)
 
     def stats(self) -> WindowStats:
@@ -185,29 +195,24 @@ class ContextWindow:
 
     def add(self, token_ids: Sequence[int], *, kind: str = "tokens", text: str | None = None) -> ChunkId:
         """Append a pre-tokenised chunk."""
-        ids = [int(t) for t in token_ids]
-        vocab = int(self.engine.model.config.vocab_size)
-        if not ids:
-            raise InvalidInputError("a chunk needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidInputError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        ids = self._token_ids(token_ids, "a chunk")
         cid = content_id(kind, torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
         if cid in self._table:
             return self._append_known(cid)
         return self._add(Chunk(cid, kind, ids, text=text))
 
     def _add(self, chunk: Chunk) -> ChunkId:
-        if self._persistence is not None and chunk.id not in self._table:
+        self._check_fits(chunk)
+        if self._persistence is not None:
             chunk.patches = self._persistence.load_patches(chunk)
+        if self.policy.needs_canonical:
+            self._executor.canonical(chunk)  # written at arrival; if it fails, nothing is recorded
         entry = self._table.put(chunk)
         self._graph.add_chunk(entry.id)
-        if self.policy.needs_canonical:
-            self._executor.canonical(entry)  # written at arrival
         self._slots.append(Slot(entry.id))
         self._pin(entry.id)
         self._changed("add")
-        self._enforce_budget()
+        self._enforce_budget(keep=entry.id)
         return entry.id
 
     def _append_known(self, cid: ChunkId) -> ChunkId:
@@ -216,12 +221,21 @@ class ContextWindow:
         if cid in self._evicted:
             self.recall(cid)
             return cid
+        chunk = self._table.get(cid)  # known to another branch of this window
+        self._check_fits(chunk)
+        if self.policy.needs_canonical:
+            self._executor.canonical(chunk)
         self._stats.canonicals_reused += 1
         self._slots.append(Slot(cid))
         self._pin(cid)
         self._changed("add")
-        self._enforce_budget()
+        self._enforce_budget(keep=cid)
         return cid
+
+    def _check_fits(self, chunk: Chunk) -> None:
+        budget = self.config.budget_tokens
+        if budget is not None and len(chunk) > budget:
+            raise InvalidInputError(f"a chunk of {len(chunk)} tokens does not fit in budget_tokens={budget}")
 
     # --- window operations ---------------------------------------------------------------------
     def evict(self, chunk_id: ChunkId) -> None:
@@ -231,6 +245,7 @@ class ContextWindow:
         self._flush([self._slots[idx]])
         self._slots.pop(idx)
         self._unpin(chunk_id)
+        self._graph.drop_conditioning(chunk_id)
         self._evicted.append(chunk_id)
         self._changed("evict", t0)
 
@@ -244,27 +259,30 @@ class ContextWindow:
                 raise WindowOperationError(f"chunk {chunk_id!r} was not evicted")
             raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
         pos = len(self._slots) if at is None else at
-        if not isinstance(pos, int) or not 0 <= pos <= len(self._slots):
+        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos <= len(self._slots):
             raise InvalidInputError(f"recall position must be in [0, {len(self._slots)}], got {at!r}")
         t0 = time.perf_counter()
         self._evicted.remove(chunk_id)
-        self._slots.insert(pos, Slot(chunk_id))
+        self._slots.insert(pos, Slot(chunk_id, recalled=True))
         self._pin(chunk_id)
         self._mark_dependents(chunk_id)
         self._changed("recall", t0)
-        self._enforce_budget()
+        self._enforce_budget(keep=chunk_id)
 
     def slide(self, n: int = 1) -> list[ChunkId]:
         """Drop the oldest ``n`` chunks (they stay recallable); survivors are served by rotation only, or
         re-conditioned once with a removal patch under ``survivors="patch"``."""
-        if not isinstance(n, int) or n < 0 or n > len(self._slots):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0 or n > len(self._slots):
             raise WindowOperationError(f"cannot slide {n!r} chunks out of a window of {len(self._slots)}")
+        if n == 0:
+            return []
         t0 = time.perf_counter()
         gone = [s.chunk_id for s in self._slots[:n]]
         self._flush(self._slots[:n])
         del self._slots[:n]
         for cid in gone:
             self._unpin(cid)
+            self._graph.drop_conditioning(cid)
         self._evicted.extend(gone)
         self._changed("slide", t0)
         return gone
@@ -278,18 +296,23 @@ class ContextWindow:
             order = best_order(self._view(), self.config)
         order = list(order)
         current = self.chunks
-        if sorted(order) != sorted(current) or len(set(order)) != len(order):
+        if set(order) != set(current) or len(order) != len(current):
             missing = sorted(set(current) - set(order))
-            unknown = sorted(set(order) - set(current))
+            unknown = [c for c in order if c not in set(current)]
             raise InvalidInputError(
                 f"reorder needs a permutation of the current window; missing {missing}, unknown {unknown}, "
                 f"{len(order)} given for {len(current)}"
             )
         t0 = time.perf_counter()
         by_id = {s.chunk_id: s for s in self._slots}
+        before = self._slots
         self._slots = [by_id[c] for c in order]
         if self.config.reorder_patch == "orbit" and self.policy.name == "kamera":
-            self._form_missing_orbit_patches()
+            try:
+                self._form_missing_orbit_patches()
+            except BaseException:
+                self._slots = before  # the orbit patches formed so far stay stored; the order does not change
+                raise
         self._changed("reorder", t0)
         return order
 
@@ -312,6 +335,7 @@ class ContextWindow:
         child._step = self._step
         child._cache = None
         child._prompt_memo = None
+        child._answers = {}
         for cid in child.chunks:
             child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
         child._executor = Executor(self.engine, self._table, self.config, child._stats, self._persistence)
@@ -351,7 +375,7 @@ class ContextWindow:
         stream: Literal[False] = ...,
         temperature: float = ...,
         top_p: float = ...,
-        stop: Sequence[str] | None = ...,
+        stop: str | Sequence[str] | None = ...,
         seed: int | None = ...,
     ) -> str: ...
     @overload
@@ -363,7 +387,7 @@ class ContextWindow:
         stream: Literal[True],
         temperature: float = ...,
         top_p: float = ...,
-        stop: Sequence[str] | None = ...,
+        stop: str | Sequence[str] | None = ...,
         seed: int | None = ...,
     ) -> Iterator[str]: ...
 
@@ -375,12 +399,16 @@ class ContextWindow:
         stream: bool = False,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         seed: int | None = None,
     ) -> str | Iterator[str]:
         """Answer the prompt over the window (greedy by default); ``stream=True`` yields text pieces."""
         params = SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop or ()), seed=seed
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            seed=seed,
         )
         params.validate()
         ids = self._prompt_ids(prompt)
@@ -421,13 +449,25 @@ class ContextWindow:
         self, chunk_id: ChunkId, prompt: str | Sequence[int], *, mode: str = "conditioning", max_new_tokens: int = 16
     ) -> DisposabilityResult:
         """Does the greedy answer hold without ``chunk_id``'s conditioning (``mode="conditioning"``: its slot
-        served from the canonical, patch off) or without the chunk (``mode="chunk"``)? Two decodes over KV
-        the window already holds; no chunk is prefilled again (appendix E)."""
+        served from the canonical, patch off) or without the chunk (``mode="chunk"``)? One decode over KV
+        the window already holds, no chunk prefilled again (appendix E); the answer with the window as it
+        is is decoded once per prompt and kept until the window changes."""
         if mode not in ("conditioning", "chunk"):
             raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
         idx = self._index(chunk_id)
         ids = self._prompt_ids(prompt)
-        plan, execution = self._materialise()
+        plan, execution = self._materialise(ids)
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        key = (tuple(ids), max_new_tokens)
+        if key not in self._answers:
+            t0 = time.perf_counter()
+            memo = self._prefilled(ids)
+            if memo is not None:
+                decoded = self.engine.continue_ids(memo, params)
+            else:
+                decoded = self.engine.generate_ids(execution.parts, ids, plan.end, params)
+            self._answers[key] = list(decoded)
+            self._count_prompt(ids, t0, own_forward=memo is None)
         parts = [self.engine.anchor_kv]
         pos = plan.anchor_len
         for i, sp in enumerate(plan.slots):
@@ -436,15 +476,17 @@ class ContextWindow:
                     continue
                 parts.append(self.engine.apply(self._executor.canonical(sp.chunk), None, pos))
             else:
-                kv = execution.placed[i]
-                parts.append(kv if int(kv.positions[0]) == pos else self.engine.relocate(kv, pos, exact=False))
+                placed, free = execution.placed[i], execution.slots[i].kv
+                if int(placed.positions[0]) == pos:
+                    parts.append(placed)
+                elif free is not None:  # one rotation from angle 0, as every placement
+                    parts.append(self.engine.apply(free, None, pos))
+                else:
+                    parts.append(self.engine.relocate(placed, pos))
             pos += len(sp.chunk)
-        answers = []
-        for kv, start in ((execution.parts, plan.end), (parts, pos)):
-            t0 = time.perf_counter()
-            tokens = list(self.engine.generate_ids(kv, ids, start, SamplingParams(max_new_tokens=max_new_tokens)))
-            self._count_prompt(ids, t0)
-            answers.append(tokens)
+        t0 = time.perf_counter()
+        answers = [self._answers[key], list(self.engine.generate_ids(parts, ids, pos, params))]
+        self._count_prompt(ids, t0)
         text = [self._decode(a) for a in answers]
         return DisposabilityResult(
             chunk=chunk_id,
@@ -489,7 +531,7 @@ class ContextWindow:
 
     # --- internals -----------------------------------------------------------------------------
     def _orderings(self, preds: list[ChunkId]) -> list[tuple[ChunkId, ...]]:
-        if len(preds) <= self.config.orbit_exhaustive_max:
+        if len(preds) <= self.config.orbit_exhaustive_max or self.config.orbit_samples >= math.factorial(len(preds)):
             return list(itertools.permutations(preds))
         rng = random.Random(self.config.seed)
         seen = {tuple(preds)}
@@ -520,9 +562,9 @@ class ContextWindow:
         for i, slot in enumerate(self._slots):
             if slot.pending is None or slot.kv is None or not any(slot is s for s in slots):
                 continue
+            formed += slot.pending.stored is None  # a fork sharing this slot may have formed it already
             self._executor.form_pending(self._table.get(slot.chunk_id), slot.kv, slot.pending)
             self._slots[i] = replace(slot, pending=None)
-            formed += 1
         return formed
 
     def _pin(self, chunk_id: ChunkId) -> None:
@@ -546,9 +588,31 @@ class ContextWindow:
         for i, s in enumerate(self._slots):
             if s.chunk_id == chunk_id:
                 return i
-        if chunk_id in self._table:
+        if chunk_id in self._evicted:
             raise WindowOperationError(f"chunk {chunk_id!r} is not in the window (evicted)")
+        if chunk_id in self._table:
+            raise ChunkNotFoundError(f"chunk {chunk_id!r} is not in this window (another branch holds it)")
         raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+
+    def _token_ids(self, values: Sequence[int], what: str) -> list[int]:
+        """``values`` as token ids of the engine's vocabulary, or a clear error (nothing changed yet)."""
+        if isinstance(values, (str, bytes, bytearray)):
+            raise InvalidInputError(f"{what} takes token ids (a sequence of ints), not {type(values).__name__}")
+        ids = []
+        for t in values:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(operator.index(t))  # ints, numpy ints, one-element integer tensors
+            except TypeError:
+                raise InvalidInputError(f"{what} takes integer token ids, got {t!r}") from None
+        if not ids:
+            raise InvalidInputError(f"{what} needs at least one token")
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInputError(f"{what}: token ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -559,10 +623,7 @@ class ContextWindow:
 
                 check_prompt_refs(self, prompt)
             return self.engine.prompt_ids(prompt)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidInputError("prompt must not be empty")
-        return ids
+        return self._token_ids(prompt, "prompt")
 
     def _count_prompt(self, ids: list[int], t0: float, *, own_forward: bool = True) -> None:
         self._stats.forwards += own_forward  # a prompt fused into the window's forward ran no pass of its own
@@ -573,6 +634,7 @@ class ContextWindow:
         self._step += 1
         self._cache = None  # plan, assembled window and kept prefill belong to the window as it was: free them
         self._prompt_memo = None
+        self._answers = {}
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 
@@ -582,10 +644,16 @@ class ContextWindow:
         self._graph.mark_stale(deps)
         self._stats.cascade_marked += len(deps)
 
-    def _enforce_budget(self) -> None:
+    def _enforce_budget(self, keep: ChunkId) -> None:
+        """Over budget: the oldest chunks other than ``keep`` (the one just admitted) leave, by a slide when
+        they lead the window, else by eviction (``keep`` was recalled in front of them)."""
         budget = self.config.budget_tokens
-        while budget is not None and len(self._slots) > 1 and self.tokens > budget:
-            self.slide(1)
+        while budget is not None and self.tokens > budget:
+            victim = next(s.chunk_id for s in self._slots if s.chunk_id != keep)
+            if victim == self._slots[0].chunk_id:
+                self.slide(1)
+            else:
+                self.evict(victim)
 
     def _prefilled(self, ids: list[int]) -> Prefilled | None:
         """The prompt's prefill from the window's trailing forward, if it is this prompt on this window."""
@@ -605,6 +673,7 @@ class ContextWindow:
         self._flush_stale()
         plan = self.policy.plan(self._view())
         stale_before = {s.chunk_id for s in self._slots if self._graph.is_stale(s.chunk_id)}
+        formed_on = {s.chunk_id: s.antecedent for s in self._slots}
         execution: Execution = self._executor.run(
             plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step, prompt
         )
@@ -616,6 +685,8 @@ class ContextWindow:
                 if sp.patch.antecedent == sp.antecedent:
                     continue
                 self._stats.envelope_reuse += 1
+            elif sp.source is Source.KEEP and formed_on.get(sp.chunk.id) not in (None, sp.antecedent):
+                self._stats.envelope_reuse += 1  # its own conditioning, formed on a drifted antecedent
             elif sp.source is Source.FORWARD and sp.reason == "antecedent outside the envelope":
                 self._stats.envelope_rebuild += 1
         self.policy.observe(plan, execution.placed)

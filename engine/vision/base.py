@@ -88,9 +88,6 @@ class VisionFamily:
     def embed_tokens(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
-    def text_vocab_size(self) -> int:
-        return int(self.embed_tokens().num_embeddings)
-
     def tokenizer(self) -> Any:
         return getattr(self.processor, "tokenizer", self.processor)
 

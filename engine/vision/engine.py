@@ -76,7 +76,6 @@ class VisionEngine(Engine):
     ) -> None:
         self.family: VisionFamily = family_for(model, processor)
         self.processor = processor
-        self.vocab_size = self.family.text_vocab_size()
         self._entries: list[MediaEntry] = []
         self._bases = torch.empty(0, dtype=torch.long)
         self._by_digest: dict[tuple[str, str], MediaEntry] = {}

@@ -52,33 +52,47 @@ class KameraPolicy(ReusePolicy):
 
     def plan(self, view: WindowView) -> Plan:
         cfg = view.config
+        layout = view.layout()
+        order = [slot.chunk_id for slot, *_ in layout]
         slots: list[SlotPlan] = []
-        for i, (slot, chunk, start, ante) in enumerate(view.layout()):
-            slots.append(self._decide(view, i, slot, chunk, start, ante, cfg.reorder_patch))
+        for i, (slot, chunk, start, ante) in enumerate(layout):
+            behind = frozenset(order[i + 1 :])
+            slots.append(self._decide(view, i, slot, chunk, start, ante, behind, cfg.reorder_patch))
         return Plan(self.name, slots, view.anchor_len)
 
     def _decide(
-        self, view: WindowView, i: int, slot: Slot, chunk: Chunk, start: int, ante: Antecedent, reorder: str
+        self,
+        view: WindowView,
+        i: int,
+        slot: Slot,
+        chunk: Chunk,
+        start: int,
+        ante: Antecedent,
+        behind: frozenset,
+        reorder: str,
     ) -> SlotPlan:
+        """``behind``: the chunks placed after this one. Conditioning that took in one of them (a member
+        a reorder or a recall moved behind) is never reused: re-prefill cannot see it from here."""
         if i == 0:
             return SlotPlan(chunk, start, ante, Source.LEAD, reason="leading chunk: canonical is exact")
         stale = view.graph.is_stale(chunk.id)
-        if slot.materialised():
+        own = slot.materialised() and not stale and not (slot.absorbed & behind)
+        if own:
             formed = slot.antecedent or ()
-            if formed == ante and not stale:
+            if formed == ante:
                 return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
-            if _dropped_run(formed, ante) and not stale:
+            if _dropped_run(formed, ante):
                 if view.config.survivors == "rotate":
                     return SlotPlan(
                         chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
                     )
                 return self._survivor_patch(view, chunk, start, ante)
-        recalled = not slot.materialised()
-        patch = self._best_patch(view, chunk, ante, recalled)
+        unmaterialised = not slot.materialised()
+        patch = self._best_patch(view, chunk, ante, unmaterialised, behind)
         env = view.config.envelope
         if patch is not None and (patch.antecedent == ante or (reorder == "orbit" and patch.kind == "orbit")):
             return self._patch_plan(view, chunk, start, ante, patch)
-        if slot.materialised() and reorder == "transfer" and not stale:
+        if own and reorder == "transfer":
             verdict = judge(slot.antecedent or (), ante, env)
             if verdict.reuse:
                 return SlotPlan(
@@ -86,13 +100,17 @@ class KameraPolicy(ReusePolicy):
                 )
         if patch is not None and reorder != "exact":
             return self._patch_plan(view, chunk, start, ante, patch)
-        if recalled:
-            why = "recall: fresh patch on its earlier context" if chunk.patches else "new chunk"
+        if slot.recalled:
+            why = "recall: fresh patch on its earlier context"
+        elif unmaterialised:
+            why = "new chunk"
         elif stale:
             why = "cascade: a chunk it absorbed was recalled"
+        elif slot.absorbed & behind:
+            why = "a chunk it absorbed now sits behind it"
         else:
             why = "antecedent outside the envelope"
-        kind = "fresh" if recalled and chunk.patches else "exact"
+        kind = "fresh" if slot.recalled else "exact"
         return SlotPlan(chunk, start, ante, Source.FORWARD, form_patch=True, patch_kind=kind, reason=why)
 
     def _survivor_patch(self, view: WindowView, chunk: Chunk, start: int, ante: Antecedent) -> SlotPlan:
@@ -116,11 +134,15 @@ class KameraPolicy(ReusePolicy):
         return SlotPlan(chunk, start, ante, Source.PATCH, patch=patch, reason=f"{patch.kind} patch, {verdict.relation}")
 
     @staticmethod
-    def _best_patch(view: WindowView, chunk: Chunk, ante: Antecedent, recalled: bool) -> StoredPatch | None:
-        """The stored patch to reuse for ``ante``, or None to rebuild (decisions are logged by the window)."""
+    def _best_patch(
+        view: WindowView, chunk: Chunk, ante: Antecedent, recalled: bool, behind: frozenset
+    ) -> StoredPatch | None:
+        """The stored patch to reuse for ``ante``, or None to rebuild (decisions are logged by the window).
+        ``recalled``: the chunk has no conditioning in the window (new or recalled): only a patch formed
+        on this same set is fresh. A patch that took in a chunk now ``behind`` this one is never used."""
         best: tuple[tuple[int, int], StoredPatch] | None = None
         for p in chunk.patches:
-            if not _full_rank(p, view):
+            if not _full_rank(p, view) or behind & p.antecedent_set:
                 continue
             verdict = judge(p.antecedent, ante, view.config.envelope)
             if not verdict.reuse:

@@ -178,23 +178,49 @@ def test_budget_tokens_slides_the_oldest_out(engine) -> None:
     assert win.chunks == [b, c] and win.evicted == [a]
 
 
+def _greedy(engine, ids: list[int], n: int) -> str:
+    """Reference answer: the chunks re-prefilled after the anchor, then the prompt decoded greedily."""
+    past = engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="none").kv
+    parts = [engine.anchor_kv, past]
+    return str(list(engine.generate_ids(parts, PROMPT, len(ANCHOR) + len(ids), SamplingParams(max_new_tokens=n))))
+
+
 def test_is_disposable_costs_one_decode(engine) -> None:
-    win, ids = _filled(engine)
-    res = win.is_disposable(ids[2], PROMPT, max_new_tokens=4)
-    assert res.mode == "conditioning" and isinstance(res.disposable, bool)
+    win, ids = _filled(engine, "recompute")
+    tokens = [win.chunk(c).token_ids for c in ids]
+    res = win.is_disposable(ids[3], PROMPT, mode="chunk", max_new_tokens=4)
+    # the last chunk: nothing in front of it changes without it, so both answers are re-prefill's
+    assert res.answer_with == _greedy(engine, [t for c in tokens for t in c], 4)
+    assert res.answer_without == _greedy(engine, [t for c in tokens[:3] for t in c], 4)
     assert res.disposable == (res.answer_with == res.answer_without)
     before = win.stats()
-    win.is_disposable(ids[2], PROMPT, mode="chunk", max_new_tokens=4)
+    again = win.is_disposable(ids[1], PROMPT, mode="chunk", max_new_tokens=4)
     after = win.stats()
-    assert after.forwards - before.forwards == 2  # two decodes (with / without)
+    assert after.forwards - before.forwards == 1  # the answer with the window is kept: one decode
     assert after.tokens_prefilled == before.tokens_prefilled  # no chunk prefilled again
+    assert again.answer_with == res.answer_with
+    win.slide(1)  # a change: the kept answer belongs to the old window
+    assert win._answers == {}
 
 
-def test_generate_stream_matches_non_stream(engine) -> None:
+def test_is_disposable_without_a_middle_chunk_rotates_from_angle_zero(engine) -> None:
+    win, ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    res = win.is_disposable(ids[1], PROMPT, mode="chunk", max_new_tokens=4)
+    # the chunks behind the dropped one move up: each placed once from its position-free KV
+    start = len(ANCHOR) + len(win.chunk(ids[0]))
+    parts = [engine.anchor_kv, win.assemble().slice(len(ANCHOR), start)]
+    for s in win._slots[2:]:
+        parts.append(engine.apply(s.kv, None, start))
+        start += len(s.kv)
+    ref = str(list(engine.generate_ids(parts, PROMPT, start, SamplingParams(max_new_tokens=4))))
+    assert res.answer_without == ref
+
+
+def test_generate_needs_a_tokenizer(engine) -> None:
     win, _ = _filled(engine, n=2)
-    whole = win.generate(PROMPT, max_new_tokens=6) if engine.tokenizer else None
-    assert whole is None  # tiny engine has no tokenizer: generate() needs text decoding
-    with pytest.raises(InvalidInputError):
+    assert engine.tokenizer is None  # streaming and stop strings are tested on a tiny VLM, which has one
+    with pytest.raises(InvalidInputError, match="no tokenizer"):
         win.generate(PROMPT, max_new_tokens=2)
 
 
@@ -214,6 +240,15 @@ def test_generate_stream_matches_non_stream(engine) -> None:
         lambda w, ids: w.add_text(""),
         lambda w, ids: w.next_token_logprobs([]),
         lambda w, ids: w.is_disposable(ids[0], PROMPT, mode="whatever"),
+        lambda w, ids: w.is_disposable(ids[0], [10**6]),
+        lambda w, ids: w.next_token_logprobs([10**6]),
+        lambda w, ids: w.next_token_logprobs([-1]),
+        lambda w, ids: w.next_token_logprobs(["a"]),
+        lambda w, ids: w.next_token_logprobs([True]),
+        lambda w, ids: w.add("123"),
+        lambda w, ids: w.add([7.9, 8.2]),
+        lambda w, ids: w.slide(True),
+        lambda w, ids: w.reorder([ids[0], 1, 2, 3]),
     ],
 )
 def test_invalid_operations_raise_and_leave_the_window_unchanged(engine, op) -> None:
@@ -294,3 +329,152 @@ def test_removal_patch_below_the_conditioning_rank_is_reused(engine) -> None:
     win.recall(ids[2], at=1)
     sp = win.plan().slots[1]
     assert (sp.source, sp.patch) == (Source.PATCH, removal[0])
+
+
+def test_budget_keeps_a_chunk_recalled_in_front(engine) -> None:
+    win = ContextWindow(engine, budget_tokens=30)
+    a, b, c = (win.add(random_ids(12, seed=500 + i)) for i in range(3))
+    assert (win.chunks, win.evicted) == ([b, c], [a])
+    win.recall(a, at=0)  # over budget: the oldest other than a leaves
+    assert (win.chunks, win.evicted) == ([a, c], [b])
+
+
+def test_a_chunk_larger_than_the_budget_is_refused(engine) -> None:
+    win = ContextWindow(engine, budget_tokens=30)
+    a = win.add(random_ids(12, seed=510))
+    before = (win.chunks, win.stats().canonicals_computed, len(win._table.values()))
+    with pytest.raises(InvalidInputError, match="does not fit in budget_tokens=30"):
+        win.add(random_ids(50, seed=511))
+    assert (win.chunks, win.stats().canonicals_computed, len(win._table.values())) == before == ([a], 1, 1)
+
+
+def test_window_options_are_checked(engine) -> None:
+    with pytest.raises(InvalidInputError, match="rank"):
+        ContextWindow(engine, rank=0)
+    with pytest.raises(InvalidInputError, match="not both"):
+        ContextWindow(engine, rank=32, config=WindowConfig())
+
+
+def test_a_failed_canonical_leaves_nothing_behind(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    win, ids = _filled(engine, n=2)
+    nodes = win.graph.g.number_of_nodes()
+
+    def boom(chunk):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(win._executor, "_compile", boom)
+    with pytest.raises(RuntimeError):
+        win.add(random_ids(9, seed=520))
+    assert (win.chunks, len(win._table.values()), win.graph.g.number_of_nodes()) == (ids, 2, nodes)
+    monkeypatch.undo()
+    before = win.stats()
+    cid = win.add(random_ids(9, seed=520))
+    after = win.stats()
+    assert win.chunks == [*ids, cid] and win.chunk(cid).canonical is not None
+    assert (after.canonicals_computed, after.canonicals_reused) == (before.canonicals_computed + 1, 0)
+
+
+def test_orbit_orderings_never_exceed_those_that_exist(engine) -> None:
+    cfg = WindowConfig(reorder_patch="orbit", orbit_exhaustive_max=2, orbit_samples=7)
+    win = ContextWindow(engine, config=cfg)
+    ids = [win.add(random_ids(6, seed=530 + i)) for i in range(4)]
+    stored = win.form_orbit_patch(ids[3])  # 3 predecessors: 6 orderings exist, 7 asked for
+    assert stored.orderings == 6
+
+
+def test_a_failed_orbit_reorder_keeps_the_order(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    win = ContextWindow(engine, config=WindowConfig(reorder_patch="orbit"))
+    ids = [win.add(random_ids(6, seed=540 + i)) for i in range(3)]
+    lp = win.next_token_logprobs(PROMPT)
+
+    def boom(cid):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(win, "form_orbit_patch", boom)
+    with pytest.raises(RuntimeError):
+        win.reorder(list(reversed(ids)))
+    assert win.chunks == ids
+    assert torch.equal(win.next_token_logprobs(PROMPT), lp)
+
+
+def test_cascade_is_not_undone_by_a_patch_that_absorbed_the_recalled_chunk(engine) -> None:
+    """[A, B, C], slide A out, recall A behind C: C absorbed A, and its patch formed on (A, B) is within
+    the envelope of (B,) ("one dropped"), but A now sits behind C: C must be re-prefilled."""
+    win = ContextWindow(engine)
+    rec = ContextWindow(engine, policy="recompute")
+    for w in (win, rec):
+        abc = [w.add(random_ids(10, seed=550 + i)) for i in range(3)]
+        w.next_token_logprobs(PROMPT)
+        w.slide(1)
+        w.next_token_logprobs(PROMPT)
+        w.recall(abc[0])
+    plan = win.plan()
+    assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.FORWARD, Source.FORWARD]
+    assert plan.slots[1].reason.startswith("cascade") and plan.slots[2].reason.startswith("recall")
+    # B leads (exact), C and A are prefilled in context: re-prefill's numbers
+    assert (win.next_token_logprobs(PROMPT) - rec.next_token_logprobs(PROMPT)).abs().max() < 1e-4
+    assert win.stats().cascade_rematerialised == 1
+
+
+def test_conditioning_on_a_chunk_moved_behind_is_not_kept(engine) -> None:
+    win, ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    a, b, c, d = ids
+    win.reorder([a, c, b, d])  # c absorbed b, which now sits behind it
+    sources = {sp.chunk.id: (sp.source, sp.reason) for sp in win.plan().slots}
+    assert sources[c] == (Source.FORWARD, "a chunk it absorbed now sits behind it")
+    assert sources[d] == (Source.KEEP, "own conditioning, reordered (envelope)")
+    before = win.stats().envelope_reuse
+    win.next_token_logprobs(PROMPT)
+    st = win.stats()
+    assert st.envelope_reuse == before + 1  # d: its own conditioning, on a reordered antecedent
+    assert any(x.reason == "own conditioning, reordered (envelope)" for x in st.decisions)
+
+
+def test_a_recalled_former_lead_is_a_recall(engine) -> None:
+    win, ids = _filled(engine, n=3)
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    win.recall(ids[0])  # it led the window: it never had a patch
+    assert win.chunk(ids[0]).patches == []
+    sp = win.plan().slots[-1]
+    assert (sp.source, sp.patch_kind, sp.reason) == (
+        Source.FORWARD,
+        "fresh",
+        "recall: fresh patch on its earlier context",
+    )
+
+
+def test_forks_form_a_shared_pending_patch_once(engine) -> None:
+    win, _ = _filled(engine, n=3)
+    win.next_token_logprobs(PROMPT)
+    child = win.fork()
+    only_child = child.add(random_ids(7, seed=560))
+    assert win.flush() == 2
+    assert child.flush() == 0  # the parent formed them: the branch takes them as they are
+    assert child.stats().patches_formed == 0
+    with pytest.raises(ChunkNotFoundError, match="another branch"):
+        win.evict(only_child)
+    with pytest.raises(ChunkNotFoundError, match="not in this window"):
+        win.chunk(only_child)
+
+
+def test_the_graph_holds_one_conditioning_per_live_chunk(engine) -> None:
+    win = ContextWindow(engine)
+    for i in range(4):
+        win.add(random_ids(6, seed=570 + i))
+    for i in range(12):
+        win.next_token_logprobs(PROMPT)
+        win.slide(1)
+        win.add(random_ids(6, seed=580 + i))
+    win.next_token_logprobs(PROMPT)
+    patch_nodes = [n for n in win.graph.g if n[0] == "patch"]
+    assert len(patch_nodes) <= len(win)
+    assert {n[1] for n in patch_nodes} <= set(win.chunks)
+
+
+def test_slide_zero_changes_nothing(engine) -> None:
+    win, ids = _filled(engine)
+    win.next_token_logprobs(PROMPT)
+    cache = win._cache
+    assert win.slide(0) == [] and win._cache is cache and win.chunks == ids

@@ -78,3 +78,15 @@ def test_forks_keep_the_names(engine) -> None:
     assert set(child.refs) == {"A", "B"} and set(win.refs) == {"A"}
     with pytest.raises(ChunkNotFoundError):
         win.next_token_logprobs("IMAGE#B?")
+
+
+def test_generate_streams_the_same_text_and_stops_on_a_string(engine) -> None:
+    win = ContextWindow(engine)
+    win.add_text("w1 w2 w3 w4")
+    win.add_image(noise_image(41))
+    whole = win.generate("Question: w5 w6", max_new_tokens=8)
+    pieces = list(win.generate("Question: w5 w6", max_new_tokens=8, stream=True))
+    assert len(pieces) > 1 and "".join(pieces) == whole
+    cut = whole[len(whole) // 2 :][:3]  # a stop string taken from the answer itself
+    stopped = win.generate("Question: w5 w6", max_new_tokens=8, stop=cut)
+    assert stopped == whole[: whole.index(cut)]  # one string is one stop string, not its characters
