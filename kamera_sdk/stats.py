@@ -44,10 +44,10 @@ class WindowStats(BaseModel):
     blind_served: int = 0
     prefix_hits: int = 0
     selective_tokens: int = 0
-    envelope_reuse: int = 0
-    envelope_rebuild: int = 0
-    cascade_marked: int = 0
-    cascade_rematerialised: int = 0
+    envelope_reuse: int = Field(0, description="slots served by conditioning formed on a drifted antecedent (envelope)")
+    envelope_rebuild: int = Field(0, description="slots re-prefilled because their antecedent left the envelope")
+    cascade_marked: int = Field(0, description="slots marked stale because a chunk they absorbed was recalled")
+    cascade_rematerialised: int = Field(0, description="stale slots rebuilt (from a fitting patch or a forward)")
     store_loads: int = 0
     store_load_failures: int = 0
     compression_stats_tokens: int = Field(0, description="tokens run only to gather attention statistics")

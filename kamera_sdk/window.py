@@ -402,7 +402,8 @@ class ContextWindow:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
     ) -> str | Iterator[str]:
-        """Answer the prompt over the window (greedy by default); ``stream=True`` yields text pieces."""
+        """Answer the prompt over the window (greedy by default); ``stream=True`` yields text pieces.
+        ``stop``: a string, or strings, that end the answer (not included)."""
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
