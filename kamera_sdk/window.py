@@ -194,7 +194,10 @@ class ContextWindow:
         return add_video(self, video, **kwargs)  # type: ignore[arg-type]
 
     def add(self, token_ids: Sequence[int], *, kind: str = "tokens", text: str | None = None) -> ChunkId:
-        """Append a pre-tokenised chunk."""
+        """Append a pre-tokenised chunk. ``kind`` is part of its content id (the same tokens under two kinds
+        are two chunks); images and video go through ``add_image`` / ``add_video``."""
+        if not isinstance(kind, str) or not kind or kind in VISION_KINDS:
+            raise InvalidInputError(f"add() takes a text kind, not {kind!r}; images and video: add_image / add_video")
         ids = self._token_ids(token_ids, "a chunk")
         cid = content_id(kind, torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
         if cid in self._table:

@@ -247,6 +247,8 @@ def test_generate_needs_a_tokenizer(engine) -> None:
         lambda w, ids: w.next_token_logprobs([True]),
         lambda w, ids: w.add("123"),
         lambda w, ids: w.add([7.9, 8.2]),
+        lambda w, ids: w.add([5, 6], kind="image"),
+        lambda w, ids: w.add([5, 6], kind=""),
         lambda w, ids: w.slide(True),
         lambda w, ids: w.reorder([ids[0], 1, 2, 3]),
     ],
