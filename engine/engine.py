@@ -23,7 +23,7 @@ from .attention import resolve_attention
 from .decode import SamplingParams, decode_tokens, stream_text
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import InvalidInputError, ModelLoadError, UnsupportedModelError
-from .fingerprint import model_fingerprint
+from .fingerprint import engine_fingerprint
 from .kv import KV, Past
 from .operator import Patch
 from .rope import RopeSpec
@@ -152,8 +152,8 @@ class Engine:
     # --- identity -----------------------------------------------------------------------------
     @cached_property
     def fingerprint(self) -> str:
-        """Architecture + weights digest; stored KV is keyed by it."""
-        return model_fingerprint(self.model)
+        """Digest of the architecture, weights and tokenizer (and image processor); stored KV is keyed by it."""
+        return engine_fingerprint(self.model, getattr(self, "processor", None) or self.tokenizer)
 
     @property
     def device(self) -> torch.device:

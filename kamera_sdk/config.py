@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .envelope import EnvelopeConfig
+
+if TYPE_CHECKING:
+    from kamera_engine import Engine
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +48,12 @@ class WindowConfig(BaseModel):
     def patch_rank(self, kind: str) -> int:
         """The rank patches of ``kind`` are formed at (and the least a stored one may have to be reused)."""
         return self.survivor_rank if kind == "removal" else self.rank
+
+    def patch_layer_indices(self, engine: Engine) -> tuple[int, ...]:
+        """The layers this config forms patches on (a stored patch on other layers is not reused)."""
+        if self.patch_layers == "deep":
+            return tuple(engine.deep_layers(self.deep_fraction))
+        return tuple(range(engine.num_layers))
 
     def torch_patch_dtype(self) -> torch.dtype | None:
         return None if self.patch_dtype is None else _DTYPES[self.patch_dtype]

@@ -60,6 +60,9 @@ class Executor:
         self.config = config
         self.stats = stats
         self.persistence = persistence
+        #: pending patches whose slot was served another way this time (it led, or was re-prefilled): the
+        #: KV they are formed from is kept here until the window forms them, after the answer
+        self.orphans: list[tuple[Chunk, KV, PendingPatch]] = []
 
     def canonical(self, chunk: Chunk) -> KV:
         """The chunk's canonical: from the table, else from the store, else one forward (then stored)."""
@@ -219,6 +222,8 @@ class Executor:
                 pending = None
         elif sp.source in (Source.KEEP, Source.SURVIVOR):
             pending = slot.pending
+        if slot.pending is not None and slot.kv is not None and pending is not slot.pending:
+            self.orphans.append((sp.chunk, slot.kv, slot.pending))  # never dropped: formed later
         if sp.source is not Source.KEEP or sp.antecedent != slot.antecedent:  # a plain keep is not news
             self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
         absorbed = self._absorbed(sp, slot)
@@ -232,7 +237,7 @@ class Executor:
             return pending.stored
         t0 = time.perf_counter()
         canonical = self.canonical(chunk)
-        layers = self.engine.deep_layers(self.config.deep_fraction) if self.config.patch_layers == "deep" else None
+        layers = self.config.patch_layer_indices(self.engine)
         patch = self.engine.form_patch(
             conditioned,
             canonical,

@@ -3,12 +3,19 @@ processes, keyed by content and model fingerprint.
 
 Canonicals are written when a chunk arrives (write-behind) and looked up before any canonical forward;
 patches are written when formed, with a per-chunk index so a new process finds them. A load that fails
-(checksum, fingerprint, I/O) is counted by the store and recomputed, never used.
+(checksum, fingerprint, I/O, or an entry that does not cover the chunk's tokens) is counted and
+recomputed, never used.
+
+Store entries are immutable, so the index is versioned: version n lists every variant known when it was
+written, and a reader finds the newest by galloping over 1, 2, 4, ... then bisecting. Two processes that
+index a new patch of the same chunk at once both write version n + 1; the store keeps one, and the other
+patch stays stored but unindexed until that process indexes another (it is formed again, never misused).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from concurrent.futures import Future
 
 from kamera_engine import KV, Engine, Patch
@@ -18,6 +25,7 @@ from .stats import WindowStats
 from .store import ChunkStore, EntryKey, EntryKind, StoreEntry
 
 _INDEX = "index"
+log = logging.getLogger("kamera.store")
 
 
 class Persistence:
@@ -42,13 +50,27 @@ class Persistence:
             if chunk.canonical is None and chunk.id not in self._prefetched:
                 self._prefetched[chunk.id] = self.store.submit_get(self.canonical_key(chunk))
 
+    def discard_prefetch(self, chunk: Chunk) -> None:
+        """Drop a prefetched load the plan turned out not to need."""
+        self._prefetched.pop(chunk.id, None)
+
     def load_canonical(self, chunk: Chunk) -> KV | None:
         fut = self._prefetched.pop(chunk.id, None)
         entry = fut.result() if fut is not None else self.store.get(self.canonical_key(chunk))
         if entry is None:
             return None
+        kv = KV(entry.tensors["keys"], entry.tensors["values"], None, entry.tensors.get("deltas"))
+        if len(kv) != len(chunk):
+            self._refuse(f"canonical of {len(kv)} tokens for a chunk of {len(chunk)}", chunk, entry.key)
+            return None
         self.stats.store_loads += 1
-        return KV(entry.tensors["keys"], entry.tensors["values"], None, entry.tensors.get("deltas"))
+        return kv
+
+    def _refuse(self, why: str, chunk: Chunk, key: EntryKey) -> None:
+        """An entry that does not fit the chunk is never used; it is deleted so a good copy can be written."""
+        log.warning("store: entry for chunk %s refused: %s", chunk.id[:12], why)
+        self.stats.store_load_failures += 1
+        self.store.delete(key)
 
     def save_canonical(self, chunk: Chunk, kv: KV) -> None:
         tensors = {"keys": kv.keys.contiguous(), "values": kv.values.contiguous()}
@@ -60,7 +82,10 @@ class Persistence:
         return EntryKey(self.fingerprint, EntryKind.PATCH, chunk.id, variant + _frame(chunk))
 
     def _variant(self, stored: StoredPatch) -> str:
-        return f"{stored.kind}:{antecedent_signature(stored.antecedent)}:r{stored.patch.rank}:a{self.anchor}"
+        p = stored.patch
+        layers = antecedent_signature(tuple(str(i) for i in p.layers))
+        dtype = str(p.k_u.dtype).replace("torch.", "")
+        return f"{stored.kind}:{antecedent_signature(stored.antecedent)}:r{p.rank}:l{layers}:{dtype}:a{self.anchor}"
 
     def save_patch(self, chunk: Chunk, stored: StoredPatch) -> None:
         variant = self._variant(stored)
@@ -70,30 +95,43 @@ class Persistence:
             "orderings": str(stored.orderings),
         }
         self.store.put(StoreEntry(self._patch_key(chunk, variant), stored.patch.tensors(), meta))
-        index = self.store.get(self._patch_key(chunk, self._index_variant))
-        variants = json.loads(index.meta["variants"]) if index is not None else []
+        version, variants = self._index(chunk)
         if variant not in variants:
             variants.append(variant)
             # the index carries no tensor data of its own; safetensors needs one tensor
             marker = {"n": stored.patch.k_u.new_tensor([len(variants)])}
-            self.store.put(
-                StoreEntry(self._patch_key(chunk, self._index_variant), marker, {"variants": json.dumps(variants)})
-            )
+            entry = StoreEntry(self._index_key(chunk, version + 1), marker, {"variants": json.dumps(variants)})
+            self.store.put(entry)
 
-    @property
-    def _index_variant(self) -> str:
-        return f"{_INDEX}:a{self.anchor}"
+    def _index_key(self, chunk: Chunk, version: int) -> EntryKey:
+        return self._patch_key(chunk, f"{_INDEX}:a{self.anchor}:v{version}")
+
+    def _index(self, chunk: Chunk) -> tuple[int, list[str]]:
+        """The newest index version of ``chunk`` and the variants it lists ((0, []) when there is none)."""
+
+        def has(version: int) -> bool:
+            return self.store.contains(self._index_key(chunk, version))
+
+        if not has(1):
+            return 0, []
+        lo, hi = 1, 2
+        while has(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if has(mid) else (lo, mid)
+        entry = self.store.get(self._index_key(chunk, lo))
+        return (lo, json.loads(entry.meta["variants"])) if entry is not None else (0, [])
 
     def load_patches(self, chunk: Chunk) -> list[StoredPatch]:
-        index = self.store.get(self._patch_key(chunk, self._index_variant))
-        if index is None:
-            return []
+        _, variants = self._index(chunk)
         out = []
-        keys = [self._patch_key(chunk, v) for v in json.loads(index.meta["variants"])]
-        for key, entry in self.store.get_many(keys).items():
-            del key
+        for key, entry in self.store.get_many([self._patch_key(chunk, v) for v in variants]).items():
             antecedent = tuple(json.loads(entry.meta["antecedent"]))
             patch = Patch.from_tensors(entry.tensors)
+            if patch.num_tokens != len(chunk):
+                self._refuse(f"patch of {patch.num_tokens} tokens for a chunk of {len(chunk)}", chunk, key)
+                continue
             out.append(StoredPatch(patch, antecedent, entry.meta["kind"], int(entry.meta.get("orderings", "1"))))
             self.stats.store_loads += 1
         return out

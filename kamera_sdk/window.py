@@ -108,15 +108,20 @@ class ContextWindow:
         # change drops it (``_changed``), so it always belongs to the window as it is
         self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
         self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}  # greedy answers (is_disposable)
+        self._pins_released = False  # close() hands the pins back
         self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
         self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Form pending patches and flush the store's write-behind queue (the store stays open for
-        other windows sharing it)."""
+        """Form pending patches, flush the store's write-behind queue and release this window's pins on
+        the store's memory tier (the store stays open for other windows sharing it). The window still
+        answers afterwards; it just no longer keeps its chunks resident."""
         self.flush()
         if self.store is not None:
+            for cid in self.chunks:
+                self._unpin(cid)
+            self._pins_released = True
             self.store.flush()
 
     def __enter__(self) -> ContextWindow:
@@ -168,7 +173,7 @@ class ContextWindow:
         snap = self._stats.model_copy(deep=True)
         if self.store is not None:
             st = self.store.stats()
-            snap.store_load_failures = st.refused_checksum + st.refused_fingerprint + st.load_errors
+            snap.store_load_failures += st.refused_checksum + st.refused_fingerprint + st.load_errors
         return snap
 
     # --- adding content ------------------------------------------------------------------------
@@ -339,6 +344,7 @@ class ContextWindow:
         child._cache = None
         child._prompt_memo = None
         child._answers = {}
+        child._pins_released = False
         for cid in child.chunks:
             child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
         child._executor = Executor(self.engine, self._table, self.config, child._stats, self._persistence)
@@ -523,7 +529,9 @@ class ContextWindow:
             self._stats.tokens_prefilled += len(ids)
             conditioned.append(res.kv.slice(len(ids) - len(chunk), len(ids)))
         canonical = self._executor.canonical(chunk)
-        patch = self.engine.form_patch(conditioned, canonical, self.config.rank, dtype=self.config.torch_patch_dtype())
+        cfg = self.config
+        layers = cfg.patch_layer_indices(self.engine)
+        patch = self.engine.form_patch(conditioned, canonical, cfg.rank, layers=layers, dtype=cfg.torch_patch_dtype())
         stored = StoredPatch(patch, tuple(preds), kind="orbit", orderings=len(orderings))
         self._table.add_patch(chunk, stored)
         if self._persistence is not None:
@@ -557,9 +565,17 @@ class ContextWindow:
                 self.form_orbit_patch(cid)
 
     def flush(self) -> int:
-        """Form every pending patch now (normally formed when a chunk leaves the window or is needed).
-        Returns how many were formed."""
-        return self._flush(self._slots)
+        """Form every pending patch now (normally formed when a chunk leaves the window or is needed, or
+        at the next window operation once its slot was served another way). Returns how many were formed."""
+        return self._form_orphans() + self._flush(self._slots)
+
+    def _form_orphans(self) -> int:
+        orphans, self._executor.orphans = self._executor.orphans, []
+        formed = 0
+        for chunk, kv, pending in orphans:
+            formed += pending.stored is None
+            self._executor.form_pending(chunk, kv, pending)
+        return formed
 
     def _flush(self, slots: list[Slot]) -> int:
         formed = 0
@@ -573,11 +589,11 @@ class ContextWindow:
 
     def _pin(self, chunk_id: ChunkId) -> None:
         """Chunks in a live window (or fork) are never evicted from the store's memory tier."""
-        if self._persistence is not None:
+        if self._persistence is not None and not self._pins_released:
             self.store.pin(self._persistence.canonical_key(self._table.get(chunk_id)))  # type: ignore[union-attr]
 
     def _unpin(self, chunk_id: ChunkId) -> None:
-        if self._persistence is not None:
+        if self._persistence is not None and not self._pins_released:
             key = self._persistence.canonical_key(self._table.get(chunk_id))
             self.store.unpin(key)  # type: ignore[union-attr]
 
@@ -635,6 +651,7 @@ class ContextWindow:
         self._stats.time("prompt", time.perf_counter() - t0)
 
     def _changed(self, op: str, t0: float | None = None) -> None:
+        self._form_orphans()  # off the answer's path: patches whose slot was last served another way
         self._step += 1
         self._cache = None  # plan, assembled window and kept prefill belong to the window as it was: free them
         self._prompt_memo = None

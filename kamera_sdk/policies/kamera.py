@@ -38,11 +38,16 @@ def _dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
     return formed_on[head + k :] == current[head:]
 
 
-def _full_rank(p: StoredPatch, view: WindowView) -> bool:
-    """A stored patch is reused only at the rank the config forms its kind at (one loaded from a store
-    written under a lower rank is re-formed). A patch cannot exceed its chunk's tokens or features."""
+def _usable(p: StoredPatch, view: WindowView) -> bool:
+    """A stored patch is reused only as the config would form it: at its kind's rank (a patch cannot exceed
+    its chunk's tokens or features), on the same layers, in the same dtype. One loaded from a store written
+    under other settings is formed again."""
+    cfg = view.config
     ceiling = min(p.patch.num_tokens, p.patch.k_vt.shape[-1])
-    return p.patch.rank >= min(view.config.patch_rank(p.kind), ceiling)
+    if p.patch.rank < min(cfg.patch_rank(p.kind), ceiling):
+        return False
+    dtype = cfg.torch_patch_dtype() or view.engine.dtype
+    return tuple(p.patch.layers) == cfg.patch_layer_indices(view.engine) and p.patch.k_u.dtype == dtype
 
 
 @register_policy
@@ -116,7 +121,7 @@ class KameraPolicy(ReusePolicy):
     def _survivor_patch(self, view: WindowView, chunk: Chunk, start: int, ante: Antecedent) -> SlotPlan:
         """survivors='patch': a patch formed on exactly what remains, else re-condition and store one."""
         for p in chunk.patches:
-            if p.antecedent == ante and p.kind != "orbit" and _full_rank(p, view):
+            if p.antecedent == ante and p.kind != "orbit" and _usable(p, view):
                 return self._patch_plan(view, chunk, start, ante, p)
         return SlotPlan(
             chunk,
@@ -142,7 +147,7 @@ class KameraPolicy(ReusePolicy):
         on this same set is fresh. A patch that took in a chunk now ``behind`` this one is never used."""
         best: tuple[tuple[int, int], StoredPatch] | None = None
         for p in chunk.patches:
-            if not _full_rank(p, view) or behind & p.antecedent_set:
+            if not _usable(p, view) or behind & p.antecedent_set:
                 continue
             verdict = judge(p.antecedent, ante, view.config.envelope)
             if not verdict.reuse:

@@ -11,6 +11,7 @@ are only touched on the model worker (``worker.py``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from ..window import ContextWindow
 from .errors import LimitExceededError, SessionNotFoundError
 
 SessionKind = Literal["session", "chat"]
+
+
+log = logging.getLogger("kamera.server")
 
 
 @dataclass(slots=True)
@@ -68,7 +72,7 @@ class SessionRegistry:
             return
         chats = sorted((s for s in self._sessions.values() if s.kind == "chat"), key=lambda s: s.last_used)
         if chats:
-            del self._sessions[chats[0].id]
+            self._drop(chats[0].id)
             return
         raise LimitExceededError(f"the server holds its maximum of {self.max_sessions} sessions; delete one first")
 
@@ -95,14 +99,23 @@ class SessionRegistry:
 
     def delete(self, session_id: str) -> None:
         self.get(session_id)
-        del self._sessions[session_id]
+        self._drop(session_id)
 
     def clear(self) -> None:
-        self._sessions.clear()
+        for sid in list(self._sessions):
+            self._drop(sid)
 
     def _expire(self) -> None:
         if self.ttl_s is None:
             return
         cutoff = time.monotonic() - self.ttl_s
         for sid in [sid for sid, s in self._sessions.items() if s.last_used < cutoff]:
-            del self._sessions[sid]
+            self._drop(sid)
+
+    def _drop(self, session_id: str) -> None:
+        """Forget a session and close its window: its pending patches are stored, its pins released."""
+        session = self._sessions.pop(session_id)
+        try:
+            session.window.close()
+        except Exception as exc:  # a closing failure must not fail the request that dropped it
+            log.warning("session %s: closing its window failed: %s", session_id[:8], exc)

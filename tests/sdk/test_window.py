@@ -307,7 +307,10 @@ def test_survivor_removal_patch_option(engine) -> None:
     assert all("removal patch" in sp.reason for sp in plan.slots[1:])
     lp = win.next_token_logprobs(PROMPT)
     assert (lp - rec.next_token_logprobs(PROMPT)).abs().max() < 1e-4  # re-conditioned: re-prefill's numbers
-    assert win.flush() == 2
+    # the two removal patches, and the exact patches of b, c, d from the first use (b now leads, c and d
+    # were re-conditioned): a conditioned forward's patch is never dropped
+    assert win.flush() == 5
+    assert {p.kind for p in win.chunk(ids[1]).patches} == {"exact"}
     removal = [p for p in win.chunk(ids[2]).patches if p.kind == "removal"]
     assert len(removal) == 1 and removal[0].antecedent == (ids[1],)
     assert removal[0].patch.rank == min(64, len(win.chunk(ids[2])))  # survivor_rank, capped at the chunk length
@@ -480,3 +483,13 @@ def test_slide_zero_changes_nothing(engine) -> None:
     win.next_token_logprobs(PROMPT)
     cache = win._cache
     assert win.slide(0) == [] and win._cache is cache and win.chunks == ids
+
+
+def test_a_patch_is_formed_even_when_its_chunk_comes_to_lead(engine) -> None:
+    win, ids = _filled(engine, n=3)
+    win.next_token_logprobs(PROMPT)  # b and c prefilled in context: their patches are pending
+    win.slide(1)
+    win.next_token_logprobs(PROMPT)  # b leads now: served from its canonical, its pending patch is set aside
+    assert win.chunk(ids[1]).patches == []
+    win.add(random_ids(9, seed=590))  # the next window operation forms it, off the answer's path
+    assert [(p.kind, p.antecedent) for p in win.chunk(ids[1]).patches] == [("exact", (ids[0],))]

@@ -98,3 +98,72 @@ def test_chunks_in_a_live_window_or_fork_are_pinned(tmp_path: Path) -> None:
     win.evict(a)
     assert win.store.memory.pins(key) == 0
     assert win.store.memory.pins(win._persistence.canonical_key(win.chunk(b))) == 2
+
+
+def test_close_releases_the_pins(tmp_path: Path) -> None:
+    engine = tiny_engine("llama", seed=25)
+    win = ContextWindow(engine, policy="blind", store=tmp_path / "s")
+    a = win.add(random_ids(8, seed=912))
+    child = win.fork()
+    key = win._persistence.canonical_key(win.chunk(a))
+    assert win.store.memory.pins(key) == 2
+    child.close()
+    win.close()
+    assert win.store.memory.pins(key) == 0 and win.store.memory.pinned_bytes == 0
+    win.slide(1)  # a closed window still works; it holds no pins
+    win.close()  # and closing twice is harmless
+
+
+def test_every_patch_of_a_chunk_is_indexed(tmp_path: Path) -> None:
+    from kamera_sdk import WindowConfig
+
+    engine = tiny_engine("llama", seed=26)
+    cfg = WindowConfig(reorder_patch="exact")
+    with ContextWindow(engine, config=cfg, store=tmp_path / "s") as win:
+        a, b, c = (win.add(random_ids(8, seed=920 + i)) for i in range(3))
+        win.next_token_logprobs(PROMPT)
+        win.reorder([b, a, c])  # c behind the same set in another order: an exact patch of its own
+        win.next_token_logprobs(PROMPT)
+        win.flush()
+        formed = {p.antecedent for p in win.chunk(c).patches}
+    assert formed == {(a, b), (b, a)}
+    again = ContextWindow(engine, config=cfg, store=tmp_path / "s")
+    for i in range(3):
+        again.add(random_ids(8, seed=920 + i))
+    assert {p.antecedent for p in again.chunk(c).patches} == formed  # both found by a new window
+
+
+def test_an_entry_that_does_not_cover_the_chunk_is_refused(tmp_path: Path) -> None:
+    from kamera_sdk.chunks import Chunk
+
+    engine = tiny_engine("llama", seed=27)
+    ids = random_ids(12, seed=930)
+    probe = ContextWindow(engine, policy="blind")
+    cid = probe.add(ids)
+    with ContextWindow(engine, policy="blind", store=tmp_path / "s") as win:
+        # a canonical of other tokens stored under this chunk's key (another tokenizer's split of the text)
+        win._persistence.save_canonical(Chunk(cid, "tokens", ids), engine.canonical(random_ids(9, seed=931)))
+        win.store.flush()
+    fresh = ContextWindow(engine, policy="blind", store=tmp_path / "s")
+    assert fresh.add(ids) == cid
+    st = fresh.stats()
+    assert st.canonicals_computed == 1 and st.store_load_failures >= 1
+    assert torch.equal(fresh.next_token_logprobs(PROMPT), probe.next_token_logprobs(PROMPT))
+
+
+def test_patches_formed_under_other_settings_are_not_reused(tmp_path: Path) -> None:
+    from kamera_sdk import Source, WindowConfig
+
+    engine = tiny_engine("llama", seed=28)
+    deep = WindowConfig(patch_layers="deep")
+    with ContextWindow(engine, config=deep, store=tmp_path / "s") as win:
+        ids = [win.add(random_ids(8, seed=940 + i)) for i in range(2)]
+        win.next_token_logprobs(PROMPT)
+        win.evict(ids[1])
+        win.recall(ids[1])
+        assert win.plan().slots[1].source is Source.PATCH  # its own patch serves a recall on the same context
+    full = ContextWindow(engine, store=tmp_path / "s")
+    for i in range(2):
+        full.add(random_ids(8, seed=940 + i))
+    assert [p.patch.layers for p in full.chunk(ids[1]).patches] == [(1,)]  # loaded: formed on the deep half
+    assert full.plan().slots[1].source is Source.FORWARD  # but all-layer windows form their own
