@@ -218,8 +218,11 @@ class DiskBackend:
             try:
                 blob = self._read(key, file_bytes)
             except FileNotFoundError:
-                return None  # deleted or evicted by another process between the row and the file
-            except StoreError:
+                # deleted or evicted between the row and the file; a row left naming no file would refuse
+                # every later put of this key, so drop it (unless the entry was rewritten meanwhile)
+                self._drop_row(key.digest, checksum)
+                return None
+            except ChecksumError:  # the file is not the size the index recorded: truncated or replaced
                 self._quarantine_file(key, checksum)
                 raise
             try:
@@ -240,19 +243,29 @@ class DiskBackend:
         return None
 
     def _read(self, key: EntryKey, expected: int) -> bytes:
+        """The file's bytes. ChecksumError when its size is not the indexed one (the entry is bad);
+        StoreError when this reader cannot read it now (too large for its limit, an I/O error): the
+        entry itself may be fine and is left alone."""
         path = self.path_for(key)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size > self.max_entry_bytes:
-                    raise StoreError(f"entry file {path.name} is {size} bytes, over max_entry_bytes")
                 if size != expected:
                     raise ChecksumError(f"entry file {path.name} is {size} bytes, the index says {expected}")
+                if size > self.max_entry_bytes:
+                    raise StoreError(f"entry file {path.name} is {size} bytes, over max_entry_bytes")
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, StoreError):
             raise
         except OSError as exc:
             raise StoreError(f"cannot read entry file {path.name}: {exc}") from exc
+
+    def _drop_row(self, digest: str, checksum: str) -> None:
+        try:
+            with self._tx() as conn:
+                conn.execute("DELETE FROM entries WHERE digest=? AND checksum=?", (digest, checksum))
+        except sqlite3.Error as exc:
+            log.warning("store: could not drop the row of missing file %s: %s", digest[:12], exc)
 
     def _touch(self, digest: str, now: float) -> None:
         try:
@@ -292,11 +305,10 @@ class DiskBackend:
         """Write ``entry`` atomically; 0 if it is already stored, else the bytes written."""
         if not isinstance(entry, StoreEntry):
             raise InvalidInputError(f"expected a StoreEntry, got {type(entry).__name__}")
-        if entry.nbytes > self.max_entry_bytes:
-            raise StoreError(f"entry of {entry.nbytes} bytes exceeds max_entry_bytes={self.max_entry_bytes}")
         if self._row(entry.key.digest) is not None:
             return 0
         blob = entry.encode()
+        self._check_size(len(blob))  # the file's size, as reads check it
         row = (entry.summary(), entry.nbytes, json.dumps(entry.meta, sort_keys=True), entry.created_at)
         return self._write(entry.key, blob, entry.checksum, *row)
 
@@ -304,14 +316,19 @@ class DiskBackend:
         """Write serialized bytes under ``key`` unchanged (reads verify them). 0 if already stored."""
         if not isinstance(blob, (bytes, bytearray)):
             raise InvalidInputError("blob must be bytes")
-        if len(blob) > self.max_entry_bytes:
-            raise StoreError(f"entry of {len(blob)} bytes exceeds max_entry_bytes={self.max_entry_bytes}")
+        self._check_size(len(blob))
         if self._row(key.digest) is not None:
             return 0
         header, _ = read_header(blob)
         summary, nbytes = header_summary(header)
         meta = header.get("__metadata__", {}).get(META_KEY, "{}")
         return self._write(key, bytes(blob), hashlib.sha256(blob).hexdigest(), summary, nbytes, meta, time.time())
+
+    def _check_size(self, n: int) -> None:
+        if n > self.max_entry_bytes:
+            raise StoreError(f"entry of {n} bytes exceeds max_entry_bytes={self.max_entry_bytes}")
+        if self.max_bytes is not None and n > self.max_bytes:
+            raise StoreError(f"entry of {n} bytes is larger than the whole store (max_bytes={self.max_bytes})")
 
     def _write(
         self,
@@ -384,11 +401,15 @@ class DiskBackend:
                     conn.execute("DELETE FROM entries WHERE digest=?", (digest,))
                     total -= size
                     doomed.append(digest)
+                # files go inside the transaction: a writer re-adding one of these keys waits for the
+                # commit, so its new file is never the one unlinked here
+                for digest in doomed:
+                    with contextlib.suppress(FileNotFoundError):
+                        (self._objects / digest[:2] / f"{digest}.safetensors").unlink()
         except sqlite3.Error as exc:
             raise StoreError(f"store eviction failed: {exc}") from exc
-        for digest in doomed:
-            with contextlib.suppress(FileNotFoundError):
-                (self._objects / digest[:2] / f"{digest}.safetensors").unlink()
+        except OSError as exc:
+            raise StoreError(f"store eviction could not remove a file: {exc}") from exc
         self.evictions += len(doomed)
 
     def delete(self, key: EntryKey) -> bool:

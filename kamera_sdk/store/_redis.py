@@ -184,14 +184,16 @@ class RedisBackend:
         if res is None:
             return None
         blob, checksum, created_at, uses = res
+        if len(blob) > self.max_entry_bytes:  # too large for this reader; the entry may be fine: keep it
+            raise StoreError(f"entry {key.digest[:12]} is {len(blob)} bytes, over max_entry_bytes")
         try:
-            if len(blob) > self.max_entry_bytes:
-                raise StoreError(f"entry {key.digest[:12]} is {len(blob)} bytes, over max_entry_bytes")
             if checksum is None:
                 raise ChecksumError(f"entry {key.digest[:12]} has no checksum")
             entry = decode(blob, key, checksum.decode())
         except StoreError:
-            self._call("delete", self._delete_script, keys=self._keys(key)[:4], args=[key.digest, ""])
+            # delete only the entry that was read (a concurrent rewrite carries another checksum)
+            held = "" if checksum is None else checksum.decode()
+            self._call("delete", self._delete_script, keys=self._keys(key)[:4], args=[key.digest, held])
             log.warning("store: deleted refused redis entry %s", key.digest[:12])
             raise
         entry.created_at = float(created_at or time.time())

@@ -118,6 +118,10 @@ def test_size_bounds(tmp_path: Path, proc: ModuleType) -> None:
     big.put(e)
     with pytest.raises(StoreError, match="over max_entry_bytes"):
         small.get(e.key)  # an oversized file is refused before it is read into memory
+    assert big.get(e.key) is not None  # and left alone: it is too large for that reader, not bad
+    exact = DiskBackend(tmp_path / "exact", max_entry_bytes=len(proc.make_entry(3).encode()))
+    exact.put(proc.make_entry(3))  # the limit is on the file, on write as on read
+    assert exact.get(proc.make_entry(3).key) is not None
     for bad in (0, -5, 1.5, True):
         with pytest.raises(InvalidInputError, match="max_entry_bytes"):
             DiskBackend(tmp_path, max_entry_bytes=bad)  # type: ignore[arg-type]
@@ -196,3 +200,39 @@ def test_delete_and_close(tmp_path: Path, proc: ModuleType) -> None:
     backend.close()
     with pytest.raises(StoreError, match="closed"):
         backend.get(e.key)
+
+
+def test_an_entry_larger_than_the_store_is_refused(tmp_path: Path, proc: ModuleType) -> None:
+    size = len(proc.make_entry(0).encode())
+    backend = DiskBackend(tmp_path, max_bytes=size - 1)
+    with pytest.raises(StoreError, match="larger than the whole store"):
+        backend.put(proc.make_entry(0))
+    assert len(backend) == 0 and backend.total_bytes() == 0
+
+
+def test_a_row_whose_file_is_gone_can_be_written_again(tmp_path: Path, proc: ModuleType) -> None:
+    backend = DiskBackend(tmp_path)
+    e = proc.make_entry(5)
+    backend.put(e)
+    backend.path_for(e.key).unlink()  # lost between the index and the file (another process, a crash)
+    assert backend.get(e.key) is None
+    assert not backend.contains(e.key)
+    assert backend.put(e) > 0 and backend.get(e.key) is not None
+
+
+def test_a_read_error_leaves_the_entry_in_place(tmp_path: Path, proc: ModuleType, monkeypatch) -> None:
+    backend = DiskBackend(tmp_path)
+    e = proc.make_entry(6)
+    backend.put(e)
+    real_open = open
+
+    def flaky(path, *a, **k):
+        if str(path).endswith(".safetensors"):
+            raise OSError(24, "Too many open files")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", flaky)
+    with pytest.raises(StoreError, match="cannot read"):
+        backend.get(e.key)
+    monkeypatch.undo()
+    assert backend.get(e.key) is not None  # not quarantined: the next read succeeds
