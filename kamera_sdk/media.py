@@ -87,8 +87,11 @@ def fetch_bytes(url: str, limits: FetchLimits = DEFAULT_LIMITS, *, client: Any |
             if current in seen:
                 raise RedirectError(f"redirect loop fetching {url}: {' -> '.join([*seen, current])}")
             seen.append(current)
+            if time.monotonic() - t0 > limits.deadline_s:  # redirects count against the deadline too
+                raise MediaFetchError(f"{current}: fetch exceeded the {limits.deadline_s} s deadline")
             try:
-                with client.stream("GET", current) as resp:
+                # the size limit is on the bytes that arrive: no transfer encoding that inflates them
+                with client.stream("GET", current, headers={"Accept-Encoding": "identity"}) as resp:
                     if resp.status_code in _REDIRECTS:
                         location = resp.headers.get("location")
                         if not location:
@@ -102,13 +105,19 @@ def fetch_bytes(url: str, limits: FetchLimits = DEFAULT_LIMITS, *, client: Any |
                     ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
                     if not ctype.startswith("image/"):
                         raise MediaTypeError(f"{current}: content type {ctype or 'missing'!r} is not image/*")
+                    encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+                    if encoding not in ("", "identity"):
+                        raise MediaFetchError(
+                            f"{current}: compressed response ({encoding}) refused: its size cannot be bounded "
+                            "before it is inflated"
+                        )
                     declared = resp.headers.get("content-length")
                     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
                         raise MediaTooLargeError(
                             f"{current}: Content-Length {int(declared)} exceeds the limit of {limits.max_bytes} bytes"
                         )
                     buf = bytearray()
-                    for piece in resp.iter_bytes():
+                    for piece in resp.iter_raw():
                         buf.extend(piece)
                         if len(buf) > limits.max_bytes:
                             raise MediaTooLargeError(
@@ -255,18 +264,26 @@ def load_video(
     if isinstance(src, (bytes, bytearray)):
         if len(src) > limits.max_bytes:
             raise MediaTooLargeError(f"video of {len(src)} bytes exceeds the limit of {limits.max_bytes}")
-        return _decode_video(io.BytesIO(bytes(src)), "bytes", sample_fps, max_frames)
+        return _decode_video(io.BytesIO(bytes(src)), "bytes", sample_fps, max_frames, limits)
     if isinstance(src, (str, Path)):
         if is_url(str(src)):
             raise InvalidInputError("video URLs are not fetched; download the file and pass its path")
         path = Path(src)
         if not path.is_file():
             raise MediaError(f"video file not found: {path}")
-        return _decode_video(str(path), str(path), sample_fps, max_frames)
+        size = path.stat().st_size
+        if size > limits.max_bytes:
+            raise MediaTooLargeError(
+                f"video file {path} of {size} bytes exceeds the limit of {limits.max_bytes} "
+                "(raise it with limits=FetchLimits(max_bytes=...))"
+            )
+        return _decode_video(str(path), str(path), sample_fps, max_frames, limits)
     raise InvalidInputError(f"a video is a list of frames, a path or bytes; got {type(src).__name__}")
 
 
-def _decode_video(target: Any, source: str, sample_fps: float | None, max_frames: int | None) -> Video:
+def _decode_video(
+    target: Any, source: str, sample_fps: float | None, max_frames: int | None, limits: FetchLimits
+) -> Video:
     try:
         import av
     except ImportError as exc:  # pragma: no cover - av is a declared dependency of the vision extra
@@ -284,6 +301,10 @@ def _decode_video(target: Any, source: str, sample_fps: float | None, max_frames
                 t = float(frame.time) if frame.time is not None else i / rate
                 if sample_fps is not None and t + 1e-6 < next_t:
                     continue
+                if frame.width * frame.height > limits.max_pixels:
+                    raise MediaTooLargeError(
+                        f"{source}: {frame.width}x{frame.height} frames exceed the limit of {limits.max_pixels} pixels"
+                    )
                 frames.append(frame.to_image().convert("RGB"))
                 stamps.append(t)
                 if sample_fps is not None:

@@ -81,6 +81,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send(301, "text/plain", b"", extra={"Location": "/img.png"})
         elif p == "/to-file":
             self._send(302, "text/plain", b"", extra={"Location": "file:///etc/passwd"})
+        elif p == "/bomb.png":  # a small gzip body that inflates far past the limit
+            import gzip
+
+            self._send(200, "image/png", gzip.compress(b"\0" * (BIG * 8)), extra={"Content-Encoding": "gzip"})
         elif p == "/missing":
             self._send(404, "text/plain", b"nope")
         else:
@@ -186,3 +190,18 @@ def test_video_from_frames() -> None:
     assert [len(s.frames) for s in video.segments(2)] == [2, 2, 1]
     with pytest.raises(InvalidInputError, match="at least one frame"):
         load_video([])
+
+
+def test_a_compressed_body_is_refused_before_it_inflates(server: str) -> None:
+    with pytest.raises(MediaFetchError, match=r"compressed response \(gzip\) refused"):
+        load_image(f"{server}/bomb.png", limits=LIMITS)
+
+
+def test_video_files_and_frames_are_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "clip.mp4"
+    write_video(path)
+    size = path.stat().st_size
+    with pytest.raises(MediaTooLargeError, match="exceeds the limit"):
+        load_video(path, limits=FetchLimits(max_bytes=size - 1))
+    with pytest.raises(MediaTooLargeError, match="32x32 frames exceed the limit of 1000 pixels"):
+        load_video(path, limits=FetchLimits(max_pixels=1000))
