@@ -44,6 +44,10 @@ class Execution:
         return KV.cat(self.parts)
 
 
+#: sources served from the chunk's canonical (the loads worth starting before the forwards)
+_FROM_CANONICAL = frozenset({Source.LEAD, Source.PATCH, Source.BLIND, Source.SELECTIVE})
+
+
 class Executor:
     """Carries out plans for one window (shares the engine, the table and the stats)."""
 
@@ -100,7 +104,7 @@ class Executor:
         fuse = prompt is not None and plan.recompute is None
         prompt_result: ForwardResult | None = None
         if self.persistence is not None:  # loads overlap with the forwards below
-            self.persistence.prefetch([sp.chunk for sp in plan.slots if sp.source not in (Source.FORWARD, Source.KEEP)])
+            self.persistence.prefetch([sp.chunk for sp in plan.slots if sp.source in _FROM_CANONICAL])
         parts: list[KV] = [e.anchor_kv]
         placed: list[KV] = []
         new_slots: list[Slot] = []

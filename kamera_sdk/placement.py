@@ -12,32 +12,30 @@ from __future__ import annotations
 import itertools
 
 from .chunks import ChunkId
-from .config import WindowConfig
 from .plan import Source
-from .policies.base import WindowView
+from .policies.base import ReusePolicy, WindowView
 
 EXHAUSTIVE_MAX = 6
 
 
-def order_cost(view: WindowView, order: list[ChunkId]) -> int:
-    """Tokens the current policy would prefill in context to serve ``order``."""
-    from .policies.kamera import KameraPolicy  # the planner whose cost placement optimises
-
+def order_cost(view: WindowView, order: list[ChunkId], policy: ReusePolicy) -> int:
+    """Tokens ``policy`` (the window's) would prefill in context to serve ``order`` (its plan has no side
+    effects, so trying orders changes nothing)."""
     by_id = {s.chunk_id: s for s in view.slots}
     trial = WindowView(view.engine, view.config, view.table, [by_id[c] for c in order], view.graph, view.step)
-    plan = KameraPolicy().plan(trial)
+    plan = policy.plan(trial)
     return sum(len(sp.chunk) for sp in plan.slots if sp.source is Source.FORWARD)
 
 
-def best_order(view: WindowView, config: WindowConfig) -> list[ChunkId]:
-    """The order minimising (prefill tokens, chunks moved)."""
+def best_order(view: WindowView, policy: ReusePolicy) -> list[ChunkId]:
+    """The order minimising (prefill tokens under ``policy``, chunks moved)."""
     current = [s.chunk_id for s in view.slots]
     if len(current) <= 1:
         return current
 
     def key(order: list[ChunkId]) -> tuple[int, int]:
         moved = sum(1 for a, b in zip(order, current, strict=True) if a != b)
-        return order_cost(view, order), moved
+        return order_cost(view, order, policy), moved
 
     if len(current) <= EXHAUSTIVE_MAX:
         return min((list(p) for p in itertools.permutations(current)), key=key)

@@ -301,7 +301,7 @@ class ContextWindow:
         if isinstance(order, str):
             if order != "auto":
                 raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', got {order!r}")
-            order = best_order(self._view(), self.config)
+            order = best_order(self._view(), self.policy)
         order = list(order)
         current = self.chunks
         if set(order) != set(current) or len(order) != len(current):
@@ -710,7 +710,7 @@ class ContextWindow:
                 self._stats.envelope_reuse += 1  # its own conditioning, formed on a drifted antecedent
             elif sp.source is Source.FORWARD and sp.reason == "antecedent outside the envelope":
                 self._stats.envelope_rebuild += 1
-        self.policy.observe(plan, execution.placed)
+        self.policy.observe(self._view(), plan, execution.placed)
         self._slots = execution.slots
         self._cache = (plan, execution)
         self._stats.time("materialise", time.perf_counter() - t0)

@@ -59,7 +59,7 @@ class ReusePolicy:
     def plan(self, view: WindowView) -> Plan:
         raise NotImplementedError
 
-    def observe(self, plan: Plan, placed: list) -> None:
+    def observe(self, view: WindowView, plan: Plan, placed: list) -> None:
         """Called after execution with each slot's placed KV (prefix caches remember them)."""
 
     def fork(self) -> ReusePolicy:

@@ -1,8 +1,12 @@
 """``prefix``: what vLLM automatic prefix caching and SGLang RadixAttention do, at chunk granularity.
 
 Reuse only the longest leading run of chunks identical, in the same order from position 0, to a run
-computed before (in any window sharing this cache); re-prefill the rest in context. A slide or a reorder
-changes the first chunk, so everything behind it misses.
+computed before (in any window sharing this policy instance, on the same model and chat anchor); re-prefill
+the rest in context. A slide or a reorder changes the first chunk, so everything behind it misses.
+
+The cache is a tree of runs (a run's node holds its last chunk's KV) bounded by ``max_tokens``; beyond it
+the least recently used *leaf* goes first, as in vLLM and SGLang, so a run is never kept while the shorter
+runs it extends are gone. Pass ``policy=PrefixPolicy(max_tokens=...)`` to size it.
 """
 
 from __future__ import annotations
@@ -10,9 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kamera_engine import KV
+from kamera_engine import KV, Engine, InvalidInputError
 
-from ..chunks import ChunkId
 from ..plan import Plan, SlotPlan, Source
 from .base import ReusePolicy, WindowView, register_policy
 
@@ -23,19 +26,30 @@ class PrefixPolicy(ReusePolicy):
     name = "prefix"
     needs_canonical = False
     keeps_slot_kv = False
-    #: tokens of KV the radix cache may hold (LRU beyond); None = unbounded
-    max_tokens: int | None = None
-    _nodes: OrderedDict[tuple[ChunkId, ...], KV] = field(default_factory=OrderedDict, repr=False)
+    #: tokens of KV the cache may hold (least recently used leaves go beyond it); None = unbounded
+    max_tokens: int | None = 32768
+    # (engine id, anchor, chunk ids of the run) -> KV of the run's last chunk, least recent first
+    _nodes: OrderedDict[tuple, KV] = field(default_factory=OrderedDict, repr=False)
+    _engines: dict[int, Engine] = field(default_factory=dict, repr=False)  # held: their ids stay theirs
+    _children: dict[tuple, int] = field(default_factory=dict, repr=False)
     _tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidInputError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+
+    def _root(self, view: WindowView) -> tuple:
+        """Runs of one engine (model and dtype) after one chat anchor: KV never crosses them."""
+        self._engines.setdefault(id(view.engine), view.engine)
+        return (id(view.engine), tuple(view.engine.anchor_ids))
 
     def plan(self, view: WindowView) -> Plan:
         slots: list[SlotPlan] = []
-        run: tuple[ChunkId, ...] = ()
+        run = self._root(view)
         hit = True
         for _, chunk, start, ante in view.layout():
             run = (*run, chunk.id)
             if hit and run in self._nodes:
-                self._nodes.move_to_end(run)
                 slots.append(
                     SlotPlan(
                         chunk, start, ante, Source.PREFIX, reason="identical leading run", reuse_kv=self._nodes[run]
@@ -46,13 +60,27 @@ class PrefixPolicy(ReusePolicy):
                 slots.append(SlotPlan(chunk, start, ante, Source.FORWARD, reason="prefix miss"))
         return Plan(self.name, slots, view.anchor_len)
 
-    def observe(self, plan: Plan, placed: list[KV]) -> None:
-        run: tuple[ChunkId, ...] = ()
+    def observe(self, view: WindowView, plan: Plan, placed: list[KV]) -> None:
+        run = self._root(view)
         for sp, kv in zip(plan.slots, placed, strict=True):
-            run = (*run, sp.chunk.id)
-            if run not in self._nodes:
+            parent, run = run, (*run, sp.chunk.id)
+            if run in self._nodes:
+                self._nodes.move_to_end(run)  # used: the most recent (planning alone touches nothing)
+            else:
                 self._nodes[run] = kv
                 self._tokens += len(kv)
-        while self.max_tokens is not None and self._tokens > self.max_tokens and self._nodes:
-            _, old = self._nodes.popitem(last=False)
-            self._tokens -= len(old)
+                if len(parent) > 2:
+                    self._children[parent] = self._children.get(parent, 0) + 1
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop least recently used leaves until the cache fits ``max_tokens``."""
+        while self.max_tokens is not None and self._tokens > self.max_tokens:
+            leaf = next((r for r in self._nodes if not self._children.get(r)), None)
+            if leaf is None:
+                return
+            self._tokens -= len(self._nodes.pop(leaf))
+            self._children.pop(leaf, None)
+            parent = leaf[:-1]
+            if parent in self._children:
+                self._children[parent] -= 1
