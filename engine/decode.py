@@ -6,6 +6,7 @@ It continues from a transformers cache built over an assembled window, with expl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -27,23 +28,28 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
+            raise InvalidInputError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidInputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # also refuses nan
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidInputError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from next-token logits (vocab,)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    x = logits.float()
+    probs = torch.softmax((x - x.max()) / params.temperature, dim=-1)  # shifted: a tiny temperature is argmax
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
-        cut = cum - sorted_p > params.top_p  # drop tokens once the kept mass already reaches top_p
+        cut = cum - sorted_p >= params.top_p  # drop tokens once the kept mass already reaches top_p
         sorted_p[cut] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -225,6 +225,9 @@ class Engine:
 
     def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
         """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            bad = input_ids[(input_ids < 0) | (input_ids >= self.vocab_size)][:5].tolist()
+            raise InvalidInputError(f"token ids out of range [0, {self.vocab_size}): {bad}")
         return run_forward(self.model, input_ids, past, start, logits=logits)
 
     @cached_property

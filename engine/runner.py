@@ -61,6 +61,9 @@ def past_cache(input_ids: torch.Tensor, past: Past, config: Any, device: torch.d
     return cache, sum(len(p) for p in parts)
 
 
+_KEEP = {"last": 1, "all": 0, "none": 1}  # logits= -> transformers' logits_to_keep
+
+
 @torch.inference_mode()
 def run_forward(
     model: nn.Module,
@@ -75,11 +78,13 @@ def run_forward(
 
     ``logits``: ``"last"`` (next-token logits only), ``"all"``, or ``"none"``.
     """
+    if logits not in _KEEP:
+        raise InvalidInputError(f"logits must be one of {sorted(_KEEP)}, got {logits!r}")
     device = next(model.parameters()).device
     cache, n_past = past_cache(input_ids, past, model.config, device)
     n_new = int(input_ids.shape[0])
     positions = torch.arange(start, start + n_new, dtype=torch.long)
-    keep = {"last": 1, "all": 0, "none": 1}[logits]
+    keep = _KEEP[logits]
     out = model(
         input_ids=input_ids[None].to(device),
         position_ids=positions[None].to(device),

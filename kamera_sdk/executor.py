@@ -3,8 +3,9 @@
 Consecutive FORWARD slots share one forward pass over their tokens on top of everything assembled in
 front of them; that forward is also where patches for later reuse are formed. When the plan ends with
 such a run and the caller passes the prompt, the prompt rides in the same forward (one pass instead of
-two: causal attention makes the chunks' KV identical either way). Every other source is a rotation plus
-at most one rank-m GEMM.
+two: causal attention makes the chunks' KV the same either way, to float rounding: a matmul over more
+rows may sum in another order, so the KV differs from a window-only prefill by ~1e-6). Every other source
+is a rotation plus at most one rank-m GEMM.
 """
 
 from __future__ import annotations

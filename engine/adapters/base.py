@@ -53,10 +53,11 @@ class ModelAdapter:
         """Refuse configurations the operator cannot serve exactly."""
 
     def max_context(self) -> int | None:
-        """Longest window whose attention is position-independent of cache layout (sliding windows)."""
+        """Longest window whose attention is position-independent of cache layout (sliding windows): the
+        window less one, since a sliding cache layer keeps only the last ``sliding_window - 1`` tokens."""
         window = getattr(self.config, "sliding_window", None)
         if window and getattr(self.config, "use_sliding_window", True):
-            return int(window)
+            return int(window) - 1
         return None
 
     # --- rope ---------------------------------------------------------------------------------

@@ -40,9 +40,31 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     assert {pick_token(logits, params, gen) for _ in range(50)} == {0}
     params = SamplingParams(temperature=1.0, top_p=0.85)
     assert {pick_token(logits, params, gen) for _ in range(200)} == {0, 1}
+    # the smallest set whose mass reaches top_p: [0.5, 0.3, 0.2] at 0.5 is the first token alone
+    exact = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    assert {pick_token(exact, SamplingParams(temperature=1.0, top_p=0.5), gen) for _ in range(200)} == {0}
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(max_new_tokens=-2)])
+def test_a_tiny_temperature_is_greedy_not_nan() -> None:
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    gen = torch.Generator().manual_seed(0)
+    assert {pick_token(logits, SamplingParams(temperature=1e-40), gen) for _ in range(20)} == {1}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_p=0.0),
+        dict(top_p=float("nan")),
+        dict(max_new_tokens=-2),
+        dict(max_new_tokens=2.5),
+        dict(stop="abc"),
+        dict(stop=("",)),
+    ],
+)
 def test_bad_sampling_params_are_refused(bad: dict) -> None:
     with pytest.raises(InvalidInputError):
         SamplingParams(**bad).validate()

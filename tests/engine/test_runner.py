@@ -7,7 +7,7 @@ import torch
 
 from kamera_engine import KV, InvalidInputError, SamplingParams
 from kamera_engine.kv import to_cache
-from tests.conftest import ANCHOR, tiny_engine
+from tests.conftest import ANCHOR, TINY_COMMON, random_ids, tiny_engine
 
 
 def _parts(engine, sizes: list[int]) -> tuple[list[KV], list[int]]:
@@ -83,3 +83,29 @@ def test_a_cropped_reserved_layer_grows_from_what_it_holds() -> None:
     assert keys.shape[2] == n - 1
     assert torch.equal(keys[:, :, -1:], k)
     assert torch.equal(keys[0, :, : n - 2], KV.cat(parts).keys[0, : n - 2].transpose(0, 1))
+
+
+def test_a_sliding_window_model_serves_windows_up_to_its_cache() -> None:
+    import transformers as T
+
+    from kamera_engine import Engine, UnsupportedModelError
+
+    torch.manual_seed(0)
+    cfg = T.MistralConfig(num_key_value_heads=2, sliding_window=32, **TINY_COMMON)
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    e = Engine(model, None, anchor_ids=ANCHOR)
+    ids = random_ids(31 - len(ANCHOR), seed=1)  # 31 tokens: all of them stay in the sliding cache
+    kv = e.forward(ids, e.anchor_kv, len(ANCHOR), logits="none").kv
+    assert len(kv) == len(ids)
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        e.forward([*ids, 5], e.anchor_kv, len(ANCHOR))  # 32: the cache would keep only 31
+
+
+def test_forward_refuses_bad_ids_and_logits_clearly() -> None:
+    e = tiny_engine("llama")
+    with pytest.raises(InvalidInputError, match="out of range"):
+        e.forward([1, 10**6], e.anchor_kv, len(ANCHOR))
+    with pytest.raises(InvalidInputError, match="out of range"):
+        e.canonical([-1, 2])
+    with pytest.raises(InvalidInputError, match="logits must be one of"):
+        e.forward([1, 2], e.anchor_kv, len(ANCHOR), logits="bogus")
