@@ -125,7 +125,9 @@ def add_video(
     """Append a video as one chunk per segment of ``frames_per_segment`` sampled frames.
 
     ``video``: a file path or bytes (decoded with PyAV, sampled at ``sample_fps``) or a list of frames
-    (taken as sampled at ``frames_fps``). Returns the segments' chunk ids, in order.
+    (taken as sampled at ``frames_fps``). Returns the segments' chunk ids, in order. Segments with the same
+    frames are the same content, so the same chunk (a window is a set): a static scene's repeated segment
+    appears once in the window and its id repeats in the list.
     """
     engine = _engine(win, "add_video")
     if isinstance(video, (list, tuple)):
