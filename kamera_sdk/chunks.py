@@ -47,10 +47,17 @@ class StoredPatch:
     antecedent: Antecedent
     kind: str = "exact"
     orderings: int = 1
+    #: every chunk the conditioned KV had taken in, through its antecedent too (None: the antecedent only)
+    absorbed: frozenset[ChunkId] | None = None
 
     @property
     def antecedent_set(self) -> frozenset[ChunkId]:
         return frozenset(self.antecedent)
+
+    @property
+    def carried(self) -> frozenset[ChunkId]:
+        """The chunks this patch puts back into its chunk's KV."""
+        return self.antecedent_set if self.absorbed is None else self.absorbed
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from kamera_engine import KV, Engine
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
 
-from .chunks import Chunk, ChunkTable, StoredPatch
+from .chunks import Chunk, ChunkId, ChunkTable, StoredPatch
 from .config import WindowConfig
 from .graph import DependencyGraph
 from .persistence import Persistence
@@ -109,6 +109,7 @@ class Executor:
         parts: list[KV] = [e.anchor_kv]
         placed: list[KV] = []
         new_slots: list[Slot] = []
+        carried: dict[ChunkId, frozenset] = {}  # what each slot served so far carries (``Slot.absorbed``)
         i = 0
         while i < len(plan.slots):
             sp = plan.slots[i]
@@ -122,13 +123,17 @@ class Executor:
                 for k, kv in enumerate(kvs):
                     parts.append(kv)
                     placed.append(kv)
-                    new_slots.append(self._after(run[k], slots[i + k], kv, keep_slot_kv, graph, step, formed=True))
+                    new = self._after(run[k], slots[i + k], kv, keep_slot_kv, graph, step, formed=True, prior=carried)
+                    new_slots.append(new)
+                    carried[new.chunk_id] = new.absorbed
                 i = j
                 continue
             kv, free = self._serve(sp, slots[i])
             parts.append(kv)
             placed.append(kv)
-            new_slots.append(self._after(sp, slots[i], kv, keep_slot_kv, graph, step, formed=False, free=free))
+            new = self._after(sp, slots[i], kv, keep_slot_kv, graph, step, formed=False, prior=carried, free=free)
+            new_slots.append(new)
+            carried[new.chunk_id] = new.absorbed
             i += 1
         if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
             assembled, placed = self._selective(plan, KV.cat(parts))
@@ -212,6 +217,7 @@ class Executor:
         step: int,
         *,
         formed: bool,
+        prior: dict[ChunkId, frozenset],
         free: KV | None = None,
     ) -> Slot:
         """Record the slot's new state. A forward that should yield a patch leaves it *pending* on the
@@ -220,8 +226,9 @@ class Executor:
         if formed and keep_slot_kv:
             free = self.engine.make_free(kv)
         pending = None
+        absorbed = self._absorbed(sp, slot, prior)
         if formed and sp.form_patch:
-            pending = PendingPatch(sp.antecedent, sp.patch_kind)
+            pending = PendingPatch(sp.antecedent, sp.patch_kind, absorbed)
             if free is None:  # nothing to form it from later: form it now
                 self.form_pending(sp.chunk, kv, pending)
                 pending = None
@@ -231,7 +238,6 @@ class Executor:
             self.orphans.append((sp.chunk, slot.kv, slot.pending))  # never dropped: formed later
         if sp.source is not Source.KEEP or sp.antecedent != slot.antecedent:  # a plain keep is not news
             self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
-        absorbed = self._absorbed(sp, slot)
         graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
         return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed, pending)
 
@@ -250,7 +256,7 @@ class Executor:
             layers=layers,
             dtype=self.config.torch_patch_dtype(),
         )
-        stored = StoredPatch(patch, pending.antecedent, kind=pending.kind)
+        stored = StoredPatch(patch, pending.antecedent, kind=pending.kind, absorbed=pending.absorbed)
         pending.stored = stored
         self.table.add_patch(chunk, stored)
         if self.persistence is not None:
@@ -262,12 +268,14 @@ class Executor:
         return stored
 
     @staticmethod
-    def _absorbed(sp: SlotPlan, slot: Slot) -> frozenset:
-        """Chunks whose content the slot's KV now carries (what a recall of them would invalidate)."""
+    def _absorbed(sp: SlotPlan, slot: Slot, prior: dict[ChunkId, frozenset]) -> frozenset:
+        """Chunks whose content the slot's KV now carries (what a recall of them would invalidate). A
+        forward takes in its antecedent and, through it, whatever those slots carry (``prior``: the slots
+        in front, as served this time), so a chunk stays recorded after the one that passed it on left."""
         if sp.source in (Source.KEEP, Source.SURVIVOR):
             return slot.absorbed | frozenset(sp.antecedent)
         if sp.source is Source.PATCH and sp.patch is not None:
-            return frozenset(sp.patch.antecedent)
+            return sp.patch.carried
         if sp.source in (Source.LEAD, Source.BLIND):
             return frozenset()
-        return frozenset(sp.antecedent)
+        return frozenset(sp.antecedent).union(*(prior.get(a, frozenset()) for a in sp.antecedent))

@@ -51,8 +51,9 @@ class FetchLimits:
 
     ``timeout_s``: connect / read / write timeout of each request. ``deadline_s``: wall-clock cap on one
     fetch including redirects and the body (a slow drip of bytes cannot hold it forever).
-    ``max_bytes``: largest body or file accepted. ``max_redirects``: redirects followed before giving up.
-    ``max_pixels``: largest decoded image (width x height) accepted.
+    ``max_bytes``: largest image body or file accepted. ``max_video_bytes``: largest video file or bytes
+    accepted. ``max_redirects``: redirects followed before giving up. ``max_pixels``: largest decoded
+    image or video frame (width x height) accepted.
     """
 
     timeout_s: float = 10.0
@@ -60,6 +61,7 @@ class FetchLimits:
     max_bytes: int = 20 * 1024 * 1024
     max_redirects: int = 5
     max_pixels: int = 40_000_000
+    max_video_bytes: int = 2 * 1024**3
     user_agent: str = "kamera-media/0.1"
 
 
@@ -262,8 +264,8 @@ def load_video(
             frames = frames[:max_frames]
         return Video(frames, [i / frames_fps for i in range(len(frames))], frames_fps)
     if isinstance(src, (bytes, bytearray)):
-        if len(src) > limits.max_bytes:
-            raise MediaTooLargeError(f"video of {len(src)} bytes exceeds the limit of {limits.max_bytes}")
+        if len(src) > limits.max_video_bytes:
+            raise MediaTooLargeError(f"video of {len(src)} bytes exceeds the limit of {limits.max_video_bytes}")
         return _decode_video(io.BytesIO(bytes(src)), "bytes", sample_fps, max_frames, limits)
     if isinstance(src, (str, Path)):
         if is_url(str(src)):
@@ -272,10 +274,10 @@ def load_video(
         if not path.is_file():
             raise MediaError(f"video file not found: {path}")
         size = path.stat().st_size
-        if size > limits.max_bytes:
+        if size > limits.max_video_bytes:
             raise MediaTooLargeError(
-                f"video file {path} of {size} bytes exceeds the limit of {limits.max_bytes} "
-                "(raise it with limits=FetchLimits(max_bytes=...))"
+                f"video file {path} of {size} bytes exceeds the limit of {limits.max_video_bytes} "
+                "(raise it with limits=FetchLimits(max_video_bytes=...))"
             )
         return _decode_video(str(path), str(path), sample_fps, max_frames, limits)
     raise InvalidInputError(f"a video is a list of frames, a path or bytes; got {type(src).__name__}")

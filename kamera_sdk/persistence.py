@@ -6,10 +6,9 @@ patches are written when formed, with a per-chunk index so a new process finds t
 (checksum, fingerprint, I/O, or an entry that does not cover the chunk's tokens) is counted and
 recomputed, never used.
 
-Store entries are immutable, so the index is versioned: version n lists every variant known when it was
-written, and a reader finds the newest by galloping over 1, 2, 4, ... then bisecting. Two processes that
-index a new patch of the same chunk at once both write version n + 1; the store keeps one, and the other
-patch stays stored but unindexed until that process indexes another (it is formed again, never misused).
+Store entries are immutable, so a new index replaces the old one (delete, then put). Two processes that
+index a new patch of the same chunk at once race: the last write wins, and the other patch stays stored
+but unindexed (a later process forms it again; it is never misused).
 """
 
 from __future__ import annotations
@@ -93,38 +92,28 @@ class Persistence:
             "antecedent": json.dumps(list(stored.antecedent)),
             "kind": stored.kind,
             "orderings": str(stored.orderings),
+            "absorbed": json.dumps(sorted(stored.carried)),
         }
         self.store.put(StoreEntry(self._patch_key(chunk, variant), stored.patch.tensors(), meta))
-        version, variants = self._index(chunk)
+        variants = self._index(chunk)
         if variant not in variants:
             variants.append(variant)
             # the index carries no tensor data of its own; safetensors needs one tensor
             marker = {"n": stored.patch.k_u.new_tensor([len(variants)])}
-            entry = StoreEntry(self._index_key(chunk, version + 1), marker, {"variants": json.dumps(variants)})
-            self.store.put(entry)
+            key = self._index_key(chunk)
+            self.store.delete(key)
+            self.store.put(StoreEntry(key, marker, {"variants": json.dumps(variants)}))
 
-    def _index_key(self, chunk: Chunk, version: int) -> EntryKey:
-        return self._patch_key(chunk, f"{_INDEX}:a{self.anchor}:v{version}")
+    def _index_key(self, chunk: Chunk) -> EntryKey:
+        return self._patch_key(chunk, f"{_INDEX}:a{self.anchor}")
 
-    def _index(self, chunk: Chunk) -> tuple[int, list[str]]:
-        """The newest index version of ``chunk`` and the variants it lists ((0, []) when there is none)."""
-
-        def has(version: int) -> bool:
-            return self.store.contains(self._index_key(chunk, version))
-
-        if not has(1):
-            return 0, []
-        lo, hi = 1, 2
-        while has(hi):
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if has(mid) else (lo, mid)
-        entry = self.store.get(self._index_key(chunk, lo))
-        return (lo, json.loads(entry.meta["variants"])) if entry is not None else (0, [])
+    def _index(self, chunk: Chunk) -> list[str]:
+        """The patch variants stored for ``chunk`` (empty when none is indexed)."""
+        entry = self.store.get(self._index_key(chunk))
+        return json.loads(entry.meta["variants"]) if entry is not None else []
 
     def load_patches(self, chunk: Chunk) -> list[StoredPatch]:
-        _, variants = self._index(chunk)
+        variants = self._index(chunk)
         out = []
         for key, entry in self.store.get_many([self._patch_key(chunk, v) for v in variants]).items():
             antecedent = tuple(json.loads(entry.meta["antecedent"]))
@@ -132,7 +121,9 @@ class Persistence:
             if patch.num_tokens != len(chunk):
                 self._refuse(f"patch of {patch.num_tokens} tokens for a chunk of {len(chunk)}", chunk, key)
                 continue
-            out.append(StoredPatch(patch, antecedent, entry.meta["kind"], int(entry.meta.get("orderings", "1"))))
+            absorbed = frozenset(json.loads(entry.meta["absorbed"])) if "absorbed" in entry.meta else None
+            orderings = int(entry.meta.get("orderings", "1"))
+            out.append(StoredPatch(patch, antecedent, entry.meta["kind"], orderings, absorbed))
             self.stats.store_loads += 1
         return out
 

@@ -19,6 +19,7 @@ class PendingPatch:
 
     antecedent: Antecedent
     kind: str = "exact"
+    absorbed: frozenset[ChunkId] | None = None  # what the conditioned KV carries (``StoredPatch.absorbed``)
     stored: StoredPatch | None = None
 
 

@@ -9,6 +9,7 @@ changes anything, so a refused operation leaves the window as it was.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import operator
 import random
@@ -45,6 +46,8 @@ from .policies import ReusePolicy, WindowView, make_policy
 from .slots import Slot
 from .stats import Decision, WindowStats
 from .store import ChunkStore, default_store_path, open_store
+
+log = logging.getLogger("kamera.window")
 
 
 class DisposabilityResult(BaseModel):
@@ -569,12 +572,24 @@ class ContextWindow:
         at the next window operation once its slot was served another way). Returns how many were formed."""
         return self._form_orphans() + self._flush(self._slots)
 
-    def _form_orphans(self) -> int:
-        orphans, self._executor.orphans = self._executor.orphans, []
+    def _form_orphans(self, *, raise_errors: bool = True) -> int:
+        """Form the patches set aside when their slot was served another way. One that fails stays queued
+        (with those behind it); after a window operation the failure is logged, not raised: the
+        operation itself has succeeded."""
+        orphans = self._executor.orphans
         formed = 0
-        for chunk, kv, pending in orphans:
-            formed += pending.stored is None
-            self._executor.form_pending(chunk, kv, pending)
+        while orphans:
+            chunk, kv, pending = orphans[0]
+            new = pending.stored is None
+            try:
+                self._executor.form_pending(chunk, kv, pending)
+            except Exception as exc:
+                if raise_errors:
+                    raise
+                log.warning("window: forming a set-aside patch of %s failed (kept for later): %s", chunk.id[:8], exc)
+                return formed
+            orphans.pop(0)
+            formed += new
         return formed
 
     def _flush(self, slots: list[Slot]) -> int:
@@ -618,8 +633,12 @@ class ContextWindow:
         """``values`` as token ids of the engine's vocabulary, or a clear error (nothing changed yet)."""
         if isinstance(values, (str, bytes, bytearray)):
             raise InvalidInputError(f"{what} takes token ids (a sequence of ints), not {type(values).__name__}")
+        try:
+            items = list(values)
+        except TypeError:
+            raise InvalidInputError(f"{what} takes a sequence of token ids, got {type(values).__name__}") from None
         ids = []
-        for t in values:
+        for t in items:
             try:
                 if isinstance(t, bool):
                     raise TypeError
@@ -651,11 +670,11 @@ class ContextWindow:
         self._stats.time("prompt", time.perf_counter() - t0)
 
     def _changed(self, op: str, t0: float | None = None) -> None:
-        self._form_orphans()  # off the answer's path: patches whose slot was last served another way
         self._step += 1
         self._cache = None  # plan, assembled window and kept prefill belong to the window as it was: free them
         self._prompt_memo = None
         self._answers = {}
+        self._form_orphans(raise_errors=False)  # off the answer's path: patches whose slot was served otherwise
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 

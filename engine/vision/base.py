@@ -150,7 +150,7 @@ class VisionAdapter(ModelAdapter):
         text = getattr(self.config, "text_config", self.config)
         window = getattr(text, "sliding_window", None)
         if window and getattr(text, "use_sliding_window", False):
-            return int(window)
+            return int(window) - 1  # a sliding cache layer keeps the last window - 1 tokens (see the base)
         return None
 
 

@@ -147,7 +147,7 @@ class KameraPolicy(ReusePolicy):
         on this same set is fresh. A patch that took in a chunk now ``behind`` this one is never used."""
         best: tuple[tuple[int, int], StoredPatch] | None = None
         for p in chunk.patches:
-            if not _usable(p, view) or behind & p.antecedent_set:
+            if not _usable(p, view) or behind & p.carried:
                 continue
             verdict = judge(p.antecedent, ante, view.config.envelope)
             if not verdict.reuse:

@@ -11,10 +11,11 @@ runs it extends are gone. Pass ``policy=PrefixPolicy(max_tokens=...)`` to size i
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kamera_engine import KV, Engine, InvalidInputError
+from kamera_engine import KV, InvalidInputError
 
 from ..plan import Plan, SlotPlan, Source
 from .base import ReusePolicy, WindowView, register_policy
@@ -30,7 +31,7 @@ class PrefixPolicy(ReusePolicy):
     max_tokens: int | None = 32768
     # (engine id, anchor, chunk ids of the run) -> KV of the run's last chunk, least recent first
     _nodes: OrderedDict[tuple, KV] = field(default_factory=OrderedDict, repr=False)
-    _engines: dict[int, Engine] = field(default_factory=dict, repr=False)  # held: their ids stay theirs
+    _engines: dict[int, weakref.ref] = field(default_factory=dict, repr=False)  # ids with live nodes
     _children: dict[tuple, int] = field(default_factory=dict, repr=False)
     _tokens: int = 0
 
@@ -40,8 +41,16 @@ class PrefixPolicy(ReusePolicy):
 
     def _root(self, view: WindowView) -> tuple:
         """Runs of one engine (model and dtype) after one chat anchor: KV never crosses them."""
-        self._engines.setdefault(id(view.engine), view.engine)
-        return (id(view.engine), tuple(view.engine.anchor_ids))
+        eid = id(view.engine)
+        if eid not in self._engines:  # when the engine goes, so do its runs (a new engine may reuse the id)
+            self._engines[eid] = weakref.ref(view.engine, lambda _, eid=eid: self._forget(eid))
+        return (eid, tuple(view.engine.anchor_ids))
+
+    def _forget(self, eid: int) -> None:
+        self._engines.pop(eid, None)
+        for run in [r for r in self._nodes if r[0] == eid]:
+            self._tokens -= len(self._nodes.pop(run))
+            self._children.pop(run, None)
 
     def plan(self, view: WindowView) -> Plan:
         slots: list[SlotPlan] = []

@@ -88,8 +88,12 @@ class ServerState:
         self.limits = limits
         # one store for every session: a path or URL is opened once here and shared
         self.store = open_store(default_store_path() if store == "default" else store) if store is not None else None
+        self._owns_store = self.store is not None and self.store is not store
         self.worker = ModelWorker()
-        self.sessions = SessionRegistry(limits.max_sessions, limits.session_ttl_s)
+        # a dropped session's window is closed on the worker (its pending patches stored, its pins released)
+        self.sessions = SessionRegistry(
+            limits.max_sessions, limits.session_ttl_s, on_drop=lambda w: self.worker.submit(w.close)
+        )
 
     def new_window(self, options: SessionCreate) -> ContextWindow:
         return ContextWindow(
@@ -103,20 +107,15 @@ class ServerState:
         )
 
     async def shutdown(self) -> None:
-        """Finish the job in flight, then flush (and close the ones windows opened) every store in use."""
+        """Close every session's window on the worker (after the jobs queued before), stop the worker, then
+        flush and close the server's store."""
+        self.sessions.clear()  # each window's close is queued on the worker
+        await self.worker.run(lambda: None)  # the worker runs jobs in order: every close has run
         await asyncio.to_thread(self.worker.close)
-        stores: dict[int, object] = {}
-        for store in [self.store, *(getattr(w, "store", None) for w in self.sessions.windows())]:
-            if store is not None and not isinstance(store, str):
-                stores[id(store)] = store
-        for store in stores.values():
-            flush = getattr(store, "flush", None)
-            if callable(flush):
-                flush()
-            close = getattr(store, "close", None)
-            if store is not self.store and callable(close):
-                close()  # opened by a window from a path: the server owns it
-        self.sessions.clear()
+        if self.store is not None:
+            self.store.flush()
+            if self._owns_store:  # opened here from a path or URL; a ChunkStore passed in stays open
+                self.store.close()
 
 
 class GuardMiddleware:
@@ -300,8 +299,8 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/fork", response_model=SessionCreated, status_code=201)
     async def fork(session_id: str) -> SessionCreated:
         s = sessions.get(session_id)
+        sessions.reserve()  # before the fork: a refused fork leaves nothing behind
         child_window = await worker.run(s.window.fork)
-        sessions.reserve()
         child = sessions.add(child_window)
         return SessionCreated(id=child.id, window=await worker.run(ops.window_state, child.id, child_window))
 
@@ -340,7 +339,7 @@ def create_app(
             found = sessions.find(key, kind="chat")
             if found is None:
                 sessions.reserve()
-                found = sessions.add(ContextWindow(engine, store=store), key=key, kind="chat")
+                found = sessions.add(ContextWindow(engine, store=state.store), key=key, kind="chat")
             window = found.window
         start = await worker.run(chat_ops.start_chat, engine, window, req, params, limits)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or engine.name

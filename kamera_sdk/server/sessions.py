@@ -11,9 +11,9 @@ are only touched on the model worker (``worker.py``).
 from __future__ import annotations
 
 import hashlib
-import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,9 +21,6 @@ from ..window import ContextWindow
 from .errors import LimitExceededError, SessionNotFoundError
 
 SessionKind = Literal["session", "chat"]
-
-
-log = logging.getLogger("kamera.server")
 
 
 @dataclass(slots=True)
@@ -54,9 +51,14 @@ class SessionRegistry:
     make room first; explicit sessions are only dropped by ``DELETE`` or after ``ttl_s`` idle.
     """
 
-    def __init__(self, max_sessions: int, ttl_s: float | None) -> None:
+    def __init__(
+        self, max_sessions: int, ttl_s: float | None, on_drop: Callable[[ContextWindow], None] | None = None
+    ) -> None:
+        """``on_drop``: called with the window of every session that is deleted, expired or displaced (the
+        server closes it on its model worker; the registry itself never touches a window)."""
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.on_drop = on_drop
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -113,9 +115,7 @@ class SessionRegistry:
             self._drop(sid)
 
     def _drop(self, session_id: str) -> None:
-        """Forget a session and close its window: its pending patches are stored, its pins released."""
+        """Forget a session and hand its window to ``on_drop``."""
         session = self._sessions.pop(session_id)
-        try:
-            session.window.close()
-        except Exception as exc:  # a closing failure must not fail the request that dropped it
-            log.warning("session %s: closing its window failed: %s", session_id[:8], exc)
+        if self.on_drop is not None:
+            self.on_drop(session.window)

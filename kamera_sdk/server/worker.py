@@ -9,12 +9,14 @@ for each other's whole answers.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("kamera.server")
 _END = object()
 
 
@@ -42,6 +44,20 @@ class ModelWorker:
             close = getattr(it, "close", None)
             if close is not None and not self._closed:
                 self._pool.submit(close)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the worker without waiting (after the jobs already queued); a failure is
+        logged. Nothing runs once the worker is closed."""
+        if self._closed:
+            return
+
+        def job() -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                log.warning("worker: %s failed: %s", getattr(fn, "__qualname__", fn), exc)
+
+        self._pool.submit(job)
 
     def close(self) -> None:
         """Finish the job in progress, drop queued ones, stop the thread."""

@@ -80,3 +80,17 @@ def test_auto_placement_minimises_the_windows_own_policy_cost() -> None:
     win.reorder([c, b, a])  # a prefix miss everywhere
     order = win.reorder("auto")
     assert order == [a, b, c] and [sp.source.value for sp in win.plan().slots] == ["prefix"] * 3
+
+
+def test_prefix_cache_lets_go_of_an_engine() -> None:
+    import gc
+
+    policy = PrefixPolicy()
+    engine = tiny_engine("llama", seed=7)
+    win = ContextWindow(engine, policy=policy)
+    win.add(random_ids(10, seed=640))
+    win.next_token_logprobs([9, 10, 11])
+    assert policy._tokens == 10
+    del win, engine
+    gc.collect()
+    assert policy._tokens == 0 and policy._engines == {} and len(policy._nodes) == 0

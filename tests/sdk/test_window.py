@@ -245,6 +245,7 @@ def test_generate_needs_a_tokenizer(engine) -> None:
         lambda w, ids: w.next_token_logprobs([-1]),
         lambda w, ids: w.next_token_logprobs(["a"]),
         lambda w, ids: w.next_token_logprobs([True]),
+        lambda w, ids: w.next_token_logprobs(torch.tensor(5)),
         lambda w, ids: w.add("123"),
         lambda w, ids: w.add([7.9, 8.2]),
         lambda w, ids: w.add([5, 6], kind="image"),
@@ -493,3 +494,39 @@ def test_a_patch_is_formed_even_when_its_chunk_comes_to_lead(engine) -> None:
     assert win.chunk(ids[1]).patches == []
     win.add(random_ids(9, seed=590))  # the next window operation forms it, off the answer's path
     assert [(p.kind, p.antecedent) for p in win.chunk(ids[1]).patches] == [("exact", (ids[0],))]
+
+
+def test_a_chunk_passed_on_by_one_that_left_still_counts_as_absorbed(engine) -> None:
+    """[A, X, Y]; X leaves (Y keeps it); Z arrives behind Y (takes X in through Y); Y leaves; X comes back
+    behind Z: Z carries X, which now sits behind it, so Z is rebuilt."""
+    win = ContextWindow(engine)
+    a, x, y = (win.add(random_ids(8, seed=620 + i)) for i in range(3))
+    win.next_token_logprobs(PROMPT)
+    win.evict(x)
+    win.next_token_logprobs(PROMPT)
+    z = win.add(random_ids(8, seed=623))
+    win.next_token_logprobs(PROMPT)
+    assert x in win._slots[-1].absorbed  # through y
+    win.evict(y)
+    win.next_token_logprobs(PROMPT)
+    win.recall(x)
+    sources = {sp.chunk.id: sp.source for sp in win.plan().slots}
+    assert sources[z] is Source.FORWARD and sources[a] is Source.LEAD
+
+
+def test_a_failed_set_aside_patch_stays_queued_and_the_operation_stands(engine, monkeypatch) -> None:
+    win, ids = _filled(engine, n=3)
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    win.next_token_logprobs(PROMPT)  # b leads: its patch is set aside
+    assert len(win._executor.orphans) == 1
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(win._executor, "form_pending", boom)
+    new = win.add(random_ids(9, seed=630))  # the add stands; the patch waits
+    assert win.chunks[-1] == new and win._cache is None and len(win._executor.orphans) == 1
+    monkeypatch.undo()
+    assert win.flush() >= 1 and win._executor.orphans == []
+    assert [p.kind for p in win.chunk(ids[1]).patches] == ["exact"]

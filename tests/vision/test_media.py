@@ -202,6 +202,7 @@ def test_video_files_and_frames_are_bounded(tmp_path: Path) -> None:
     write_video(path)
     size = path.stat().st_size
     with pytest.raises(MediaTooLargeError, match="exceeds the limit"):
-        load_video(path, limits=FetchLimits(max_bytes=size - 1))
+        load_video(path, limits=FetchLimits(max_video_bytes=size - 1))
+    assert len(load_video(path, limits=FetchLimits(max_bytes=size - 1)).frames) > 0  # the image limit is not it
     with pytest.raises(MediaTooLargeError, match="32x32 frames exceed the limit of 1000 pixels"):
         load_video(path, limits=FetchLimits(max_pixels=1000))
