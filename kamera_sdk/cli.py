@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -24,10 +25,28 @@ def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with NaN / infinities as null: strict JSON has no spelling for them."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
+
+
 def print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
     """JSON on stdout with ``--json``; a readable table otherwise."""
     if as_json:
-        sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+        sys.stdout.write(json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n")
         return
     table = Table(title=title)
     table.add_column("key")
@@ -123,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
     serve = sub.add_parser("serve", parents=[common], help="run one engine behind an HTTP API (sessions = windows)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--port", type=_port, default=8765)
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     serve.set_defaults(func=cmd_serve)

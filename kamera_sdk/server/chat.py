@@ -42,10 +42,10 @@ def message_items(message: ChatMessage, limits: Limits) -> list[Item]:
                 images.append(_data_url_bytes(part.image_url.url, limits))
     text = "\n".join(t for t in texts if t)
     if message.tool_calls:
-        calls = ", ".join(
-            f"{c.get('function', {}).get('name', '?')}({c.get('function', {}).get('arguments', '')})"
-            for c in message.tool_calls
-        )
+        fns = [c.get("function") if isinstance(c, dict) else None for c in message.tool_calls]
+        if not all(isinstance(f, dict) for f in fns):
+            raise InvalidInputError("each tool_calls entry needs a 'function' object with 'name' and 'arguments'")
+        calls = ", ".join(f"{f.get('name', '?')}({f.get('arguments', '')})" for f in fns)
         text = f"{text}\n[tool calls: {calls}]" if text else f"[tool calls: {calls}]"
     role = message.role if message.name is None else f"{message.role} ({message.name})"
     return [*images, f"{role}: {text}"] if text.strip() else list(images)
@@ -86,9 +86,15 @@ def sync_window(win: ContextWindow, items: list[Item], limits: Limits) -> None:
     texts = [i for i in items if isinstance(i, str)]
     check_tokens(win, sum(len(engine.tokenize(t)) for t in texts) - win.tokens, limits)
     ids: list[str] = []
+    seen: dict[str, int] = {}
     for item in items:
-        cid = str(win.add_text(item)) if isinstance(item, str) else add_image(win, item)
-        if cid not in ids:  # a window is a set: a repeated message is one chunk
+        if isinstance(item, str):
+            k = seen[item] = seen.get(item, -1) + 1
+            # a repeated message is a message again (its k-th copy is a chunk of its own kind)
+            cid = str(win.add_text(item)) if k == 0 else win.add(engine.tokenize(item), kind=f"text#{k}", text=item)
+        else:
+            cid = add_image(win, item)
+        if cid not in ids:  # the same picture twice is one chunk
             ids.append(cid)
     for cid in [c for c in win.chunks if c not in ids]:
         win.evict(cid)
@@ -115,13 +121,15 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     if max_tokens > limits.max_new_tokens:
         raise InvalidInputError(f"max_tokens={max_tokens} is over this server's limit of {limits.max_new_tokens}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
+    params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=0.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=tuple(stop),
         seed=req.seed,
     )
+    params.validate()  # before the window is touched: a refused request changes nothing
+    return params
 
 
 def start_chat(

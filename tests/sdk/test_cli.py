@@ -27,3 +27,24 @@ def test_help_explains_every_subcommand() -> None:
     text = build_parser().format_help()
     for sub in ("demo", "bench", "doctor"):
         assert sub in text
+
+
+def test_json_output_is_strict_json(capsys) -> None:
+    from kamera_sdk.cli import print_result
+
+    print_result({"kl_mean": float("nan"), "speedup": float("inf"), "rows": [1.5, float("-inf")]}, True, "t")
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {
+        "kl_mean": None,
+        "speedup": None,
+        "rows": [1.5, None],
+    }
+
+
+def test_a_port_out_of_range_is_an_argument_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--port", "99999"])
+    assert exc.value.code == 2 and "port must be in 0..65535" in capsys.readouterr().err

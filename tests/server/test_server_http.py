@@ -180,6 +180,14 @@ def test_openai_user_windows_reuse_chunks(http: httpx.Client) -> None:
     assert chat(http, messages=MESSAGES, max_tokens=4, session=sid).status_code == 200
     assert len(http.get(f"/v1/sessions/{sid}").json()["chunks"]) == 3
     error(chat(http, messages=MESSAGES, session="ks_nope"), 404, "SessionNotFoundError")
+    # a refused request changes nothing: sampling is checked before the window is synced
+    before = http.get(f"/v1/sessions/{sid}").json()
+    error(chat(http, messages=MESSAGES[:2] + MESSAGES[3:], session=sid, stop=[""]), 422, "InvalidInputError")
+    assert http.get(f"/v1/sessions/{sid}").json()["chunks"] == before["chunks"]
+    # a repeated message is in the window twice, as in the message list
+    again = [*MESSAGES[:3], {"role": "assistant", "content": "Nice to meet you, Ada."}, MESSAGES[-1]]
+    assert chat(http, messages=again, max_tokens=4, session=sid).status_code == 200
+    assert len(http.get(f"/v1/sessions/{sid}").json()["chunks"]) == 4
 
 
 def test_openai_malformed(http: httpx.Client) -> None:
@@ -188,6 +196,8 @@ def test_openai_malformed(http: httpx.Client) -> None:
     error(chat(http, messages=MESSAGES, n=2), 422, "InvalidInputError")
     assert "limit" in error(chat(http, messages=MESSAGES, max_tokens=1000), 422, "InvalidInputError")
     error(chat(http, messages=[{"role": "user", "content": "  "}]), 422, "InvalidInputError")
+    bad_call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": "f"}]}
+    assert "function" in error(chat(http, messages=[bad_call, MESSAGES[-1]]), 422, "InvalidInputError")
     remote_image = [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]},
         MESSAGES[-1],
