@@ -27,6 +27,7 @@ from kamera_sdk import (
     Engine,
     EnvelopeConfig,
     InvalidInputError,
+    SamplingParams,
     WindowConfig,
 )
 
@@ -243,13 +244,20 @@ class ChatKamera(BaseChatModel):
         texts = self.render(messages)  # raises on image parts before anything changes
         engine, fmt = self._chat()
         stop_seqs = stop if stop is not None else self.stop
+
+        def given(name: str, default: Any) -> Any:
+            value = kwargs.get(name)
+            return default if value is None else value
+
         sampling = {
-            "max_new_tokens": int(kwargs.get("max_tokens", self.max_tokens)),
-            "temperature": float(kwargs.get("temperature", self.temperature)),
-            "top_p": float(kwargs.get("top_p", self.top_p)),
+            "max_new_tokens": given("max_tokens", self.max_tokens),
+            "temperature": given("temperature", self.temperature),
+            "top_p": given("top_p", self.top_p),
             "seed": kwargs.get("seed", self.seed),
             "stop": list(stop_seqs) if stop_seqs else None,
         }
+        # checked before the window is touched: a refused call leaves it as it was
+        SamplingParams(**{**sampling, "stop": tuple(sampling["stop"] or ())}).validate()
         return _Call(self._conversation(session), texts, engine.tokenize(fmt.generation), sampling, session)
 
     def _decode(self, call: _Call) -> Iterator[str]:
@@ -268,8 +276,11 @@ class ChatKamera(BaseChatModel):
         """Usage metadata and ``response_metadata`` of a finished call."""
         engine = call.conversation.window.engine
         output_tokens = len(engine.tokenize(text)) if text else 0
-        prefilled = call.delta.get("tokens_prefilled", 0)
-        cached = max(0, call.input_tokens - len(call.prompt) - prefilled)
+        # tokens served without a forward this call: a new message is compiled (ingest) and usually also
+        # prefilled in context, so the larger of the two counts it once (exact unless the chunks compiled
+        # and the chunks prefilled differ, e.g. a new chunk placed first while a cascade rebuilds others)
+        computed = max(call.delta.get("tokens_prefilled", 0), call.delta.get("ingest_tokens", 0))
+        cached = max(0, call.input_tokens - len(call.prompt) - computed)
         usage = UsageMetadata(
             input_tokens=call.input_tokens,
             output_tokens=output_tokens,

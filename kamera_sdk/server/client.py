@@ -112,8 +112,9 @@ class _Requests:
 
     def generate(self, prompt: str | Sequence[int], **options: Any) -> _Request[str]:
         body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), **options}
-        if body.get("stop") is not None:
-            body["stop"] = list(body["stop"])
+        stop = body.get("stop")
+        if stop is not None:
+            body["stop"] = [stop] if isinstance(stop, str) else list(stop)  # one string is one stop string
         return _Request("POST", f"{self.base}/generate", body, lambda b: str(b["text"]))
 
 
@@ -153,6 +154,11 @@ def _options(
 
 def _unreachable(url: str, exc: httpx.TransportError) -> RemoteError:
     return RemoteError(f"cannot reach the Kamera server at {url}: {exc}", status=0, type_name="TransportError")
+
+
+def _cut(exc: httpx.TransportError | None) -> RemoteError:
+    why = f": {exc}" if exc is not None else " before its end"
+    return RemoteError(f"the answer's stream was cut{why}", status=0, type_name="TransportError")
 
 
 class RemoteWindow:
@@ -225,8 +231,11 @@ class RemoteWindow:
                     return
                 if piece is not None:
                     yield piece
+        except httpx.TransportError as exc:
+            raise _cut(exc) from exc
         finally:
             response.close()
+        raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
 
     # --- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> RemoteWindow:
@@ -441,8 +450,11 @@ class AsyncRemoteWindow:
                     return
                 if piece is not None:
                     yield piece
+        except httpx.TransportError as exc:
+            raise _cut(exc) from exc
         finally:
             await response.aclose()
+        raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def open(self) -> AsyncRemoteWindow:

@@ -216,6 +216,28 @@ def test_bad_arguments(tiny: Engine) -> None:
         chat(tiny).invoke("hi", tools=[{"name": "x"}])
     with pytest.raises(InvalidInputError, match="at least one message"):
         chat(tiny).invoke([])
+    # sampling is checked before the window changes: a refused call leaves it as it was
+    llm = chat(tiny)
+    llm.invoke([SYS, HumanMessage("first")])
+    before = (llm.window().chunks, llm.window().evicted)
+    with pytest.raises(InvalidInputError, match="temperature"):
+        llm.invoke([HumanMessage("another history")], temperature=-1.0)
+    assert (llm.window().chunks, llm.window().evicted) == before
+    assert llm.invoke([SYS, HumanMessage("first")], max_tokens=None).content is not None  # None: the default
+
+
+def test_cache_read_counts_only_what_no_forward_computed(tiny: Engine) -> None:
+    llm = chat(tiny)
+    usage = llm.invoke([SYS, HumanMessage("a fresh window")]).usage_metadata
+    assert usage is not None
+    # everything but the anchor was computed in this call (canonicals at ingest, then in context)
+    anchor = len(llm.window().engine.anchor_ids)  # the conversation's own chat anchor
+    assert usage["input_token_details"]["cache_read"] == anchor
+    grown = llm.invoke([SYS, HumanMessage("a fresh window"), AIMessage("ok"), HumanMessage("more")])
+    assert grown.usage_metadata is not None
+    win = llm.window()
+    new = sum(len(win.chunk(c)) for c in win.chunks[2:])  # the two new messages, compiled and prefilled
+    assert grown.usage_metadata["input_token_details"]["cache_read"] == anchor + win.tokens - new
 
 
 def test_token_budget_slides_inside_a_call(tiny: Engine) -> None:

@@ -121,3 +121,27 @@ def test_shutdown_flushes_a_given_store_without_closing_it() -> None:
     state = ServerState(engine=None, limits=Limits(), store=store)  # type: ignore[arg-type]
     asyncio.run(state.shutdown())
     assert (store.flushed, store.closed) == (1, 0)
+
+
+def test_a_stream_cut_before_its_end_is_an_error_not_a_short_answer() -> None:
+    import httpx
+
+    from kamera_sdk.server import RemoteError, RemoteWindow
+
+    sent: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        import json
+
+        sent.append(json.loads(request.content))
+        body = encode_event({"text": "Lis"}, "token") + encode_event({"text": "bon"}, "token")
+        if sent[-1].get("stop") == ["full"]:
+            body += encode_event({"text": "Lisbon"}, "done")
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    client = httpx.Client(base_url="http://kamera.test", transport=httpx.MockTransport(handler))
+    win = RemoteWindow("http://kamera.test", session_id="ks_x", client=client)
+    assert "".join(win.generate("q", stream=True, stop="full")) == "Lisbon"
+    assert sent[-1]["stop"] == ["full"]  # one stop string, not its letters
+    with pytest.raises(RemoteError, match="cut before its end"):
+        list(win.generate("q", stream=True))
