@@ -26,7 +26,7 @@ import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -315,7 +315,7 @@ def create_app(
         response_model=GenerateResult,
         responses={200: {"content": {"text/event-stream": {}}, "description": "SSE when stream=true"}},
     )
-    async def generate(session_id: str, req: GenerateRequest) -> Any:
+    async def generate(session_id: str, req: GenerateRequest, request: Request) -> Any:
         s = sessions.get(session_id)
         check_max_new_tokens(req.max_new_tokens)
         pieces, first = await worker.run(ops.start_generate, s.window, req)
@@ -324,12 +324,12 @@ def create_app(
                 _sse_generate(worker, pieces, first), media_type="text/event-stream", headers=_SSE_HEADERS
             )
         text = [first] if first is not None else []
-        text += [p async for p in worker.iterate(pieces)]
+        text += await _collect(request, worker.iterate(pieces))
         return GenerateResult(text="".join(text))
 
     # --- OpenAI-compatible -----------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         params = chat_ops.sampling(req, limits)
         window: ContextWindow | None = None
         if req.session is not None:
@@ -347,7 +347,7 @@ def create_app(
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             body = _sse_chat(worker, engine, start, cid, created, model, include_usage)
             return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        text = (start.first or "") + "".join([p async for p in worker.iterate(start.pieces)])
+        text = (start.first or "") + "".join(await _collect(request, worker.iterate(start.pieces)))
         usage = _usage(engine, start, text)
         return ChatCompletion(
             id=cid,
@@ -360,6 +360,17 @@ def create_app(
         )
 
     return app
+
+
+async def _collect(request: Request, pieces: AsyncIterator[str]) -> list[str]:
+    """The answer's pieces; decoding stops (and the iterator is closed on the worker) if the client leaves."""
+    out: list[str] = []
+    async with aclosing(pieces):
+        async for piece in pieces:
+            out.append(piece)
+            if await request.is_disconnected():
+                break
+    return out
 
 
 def _usage(engine: Engine, start: chat_ops.ChatStart, text: str) -> Usage:
