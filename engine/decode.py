@@ -7,7 +7,7 @@ It continues from a transformers cache built over an assembled window, with expl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,11 @@ class SamplingParams:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidInputError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``SamplingParams.stop`` from what callers pass: one string is one stop string, not its characters."""
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -110,6 +110,14 @@ class Executor:
         placed: list[KV] = []
         new_slots: list[Slot] = []
         carried: dict[ChunkId, frozenset] = {}  # what each slot served so far carries (``Slot.absorbed``)
+
+        def add(sp: SlotPlan, slot: Slot, kv: KV, *, formed: bool, free: KV | None = None) -> None:
+            new = self._after(sp, slot, kv, keep_slot_kv, graph, step, formed=formed, prior=carried, free=free)
+            parts.append(kv)
+            placed.append(kv)
+            new_slots.append(new)
+            carried[new.chunk_id] = new.absorbed
+
         i = 0
         while i < len(plan.slots):
             sp = plan.slots[i]
@@ -121,19 +129,11 @@ class Executor:
                 tail = prompt if fuse and j == len(plan.slots) else None
                 kvs, prompt_result = self._forward_run(run, parts, tail)
                 for k, kv in enumerate(kvs):
-                    parts.append(kv)
-                    placed.append(kv)
-                    new = self._after(run[k], slots[i + k], kv, keep_slot_kv, graph, step, formed=True, prior=carried)
-                    new_slots.append(new)
-                    carried[new.chunk_id] = new.absorbed
+                    add(run[k], slots[i + k], kv, formed=True)
                 i = j
                 continue
             kv, free = self._serve(sp, slots[i])
-            parts.append(kv)
-            placed.append(kv)
-            new = self._after(sp, slots[i], kv, keep_slot_kv, graph, step, formed=False, prior=carried, free=free)
-            new_slots.append(new)
-            carried[new.chunk_id] = new.absorbed
+            add(sp, slots[i], kv, formed=False, free=free)
             i += 1
         if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
             assembled, placed = self._selective(plan, KV.cat(parts))
@@ -236,10 +236,24 @@ class Executor:
             pending = slot.pending
         if slot.pending is not None and slot.kv is not None and pending is not slot.pending:
             self.orphans.append((sp.chunk, slot.kv, slot.pending))  # never dropped: formed later
-        if sp.source is not Source.KEEP or sp.antecedent != slot.antecedent:  # a plain keep is not news
-            self.stats.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
+        self._record(sp, slot, graph, step)
         graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
         return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed, pending)
+
+    def _record(self, sp: SlotPlan, slot: Slot, graph: DependencyGraph, step: int) -> None:
+        """Log the slot's decision and count what it was (before its conditioning is recorded: a stale
+        slot is still marked stale here)."""
+        st, drifted = self.stats, slot.antecedent not in (None, sp.antecedent)
+        if sp.source is not Source.KEEP or drifted:  # a plain keep is not news
+            st.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
+        if graph.is_stale(sp.chunk.id) and sp.source in (Source.FORWARD, Source.PATCH):
+            st.cascade_rematerialised += 1
+        if sp.source is Source.PATCH and sp.patch is not None and sp.patch.antecedent != sp.antecedent:
+            st.envelope_reuse += 1  # a stored patch formed on a drifted antecedent
+        elif sp.source is Source.KEEP and drifted:
+            st.envelope_reuse += 1  # its own conditioning, formed on a drifted antecedent
+        elif sp.source is Source.FORWARD and sp.reason == "antecedent outside the envelope":
+            st.envelope_rebuild += 1
 
     def form_pending(self, chunk: Chunk, conditioned: KV, pending: PendingPatch) -> StoredPatch:
         """Form and store the patch of ``chunk`` from its conditioned KV (placed or position-free); a

@@ -30,7 +30,7 @@ from kamera_engine import (
     SamplingParams,
     WindowOperationError,
 )
-from kamera_engine.decode import stream_text
+from kamera_engine.decode import stop_strings, stream_text
 from kamera_engine.runner import Prefilled
 
 from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, StoredPatch, content_id
@@ -41,13 +41,23 @@ from .executor import Execution, Executor
 from .graph import DependencyGraph
 from .persistence import Persistence
 from .placement import best_order
-from .plan import Plan, Source
+from .plan import Plan
 from .policies import ReusePolicy, WindowView, make_policy
 from .slots import Slot
 from .stats import Decision, WindowStats
 from .store import ChunkStore, default_store_path, open_store
 
 log = logging.getLogger("kamera.window")
+
+
+def _as_index(value: object) -> int | None:
+    """``value`` as an int if it is one (ints, numpy ints, one-element integer tensors; not bools)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 class DisposabilityResult(BaseModel):
@@ -220,11 +230,7 @@ class ContextWindow:
             self._executor.canonical(chunk)  # written at arrival; if it fails, nothing is recorded
         entry = self._table.put(chunk)
         self._graph.add_chunk(entry.id)
-        self._slots.append(Slot(entry.id))
-        self._pin(entry.id)
-        self._changed("add")
-        self._enforce_budget(keep=entry.id)
-        return entry.id
+        return self._admit(entry.id)
 
     def _append_known(self, cid: ChunkId) -> ChunkId:
         if cid in self:
@@ -237,6 +243,10 @@ class ContextWindow:
         if self.policy.needs_canonical:
             self._executor.canonical(chunk)
         self._stats.canonicals_reused += 1
+        return self._admit(cid)
+
+    def _admit(self, cid: ChunkId) -> ChunkId:
+        """Append a known chunk's slot (its canonical is in place), then keep the window in budget."""
         self._slots.append(Slot(cid))
         self._pin(cid)
         self._changed("add")
@@ -309,7 +319,7 @@ class ContextWindow:
         current = self.chunks
         if set(order) != set(current) or len(order) != len(current):
             missing = sorted(set(current) - set(order))
-            unknown = [c for c in order if c not in set(current)]
+            unknown = [c for c in order if c not in current]
             raise InvalidInputError(
                 f"reorder needs a permutation of the current window; missing {missing}, unknown {unknown}, "
                 f"{len(order)} given for {len(current)}"
@@ -420,7 +430,7 @@ class ContextWindow:
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop=stop_strings(stop),
             seed=seed,
         )
         params.validate()
@@ -639,12 +649,10 @@ class ContextWindow:
             raise InvalidInputError(f"{what} takes a sequence of token ids, got {type(values).__name__}") from None
         ids = []
         for t in items:
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                ids.append(operator.index(t))  # ints, numpy ints, one-element integer tensors
-            except TypeError:
-                raise InvalidInputError(f"{what} takes integer token ids, got {t!r}") from None
+            index = _as_index(t)
+            if index is None:
+                raise InvalidInputError(f"{what} takes integer token ids, got {t!r}")
+            ids.append(index)
         if not ids:
             raise InvalidInputError(f"{what} needs at least one token")
         vocab = self.engine.vocab_size
@@ -712,23 +720,9 @@ class ContextWindow:
         t0 = time.perf_counter()
         self._flush_stale()
         plan = self.policy.plan(self._view())
-        stale_before = {s.chunk_id for s in self._slots if self._graph.is_stale(s.chunk_id)}
-        formed_on = {s.chunk_id: s.antecedent for s in self._slots}
         execution: Execution = self._executor.run(
             plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step, prompt
         )
-        self._stats.cascade_rematerialised += sum(
-            1 for sp in plan.slots if sp.chunk.id in stale_before and sp.source in (Source.FORWARD, Source.PATCH)
-        )
-        for sp in plan.slots:
-            if sp.source is Source.PATCH and sp.patch is not None:
-                if sp.patch.antecedent == sp.antecedent:
-                    continue
-                self._stats.envelope_reuse += 1
-            elif sp.source is Source.KEEP and formed_on.get(sp.chunk.id) not in (None, sp.antecedent):
-                self._stats.envelope_reuse += 1  # its own conditioning, formed on a drifted antecedent
-            elif sp.source is Source.FORWARD and sp.reason == "antecedent outside the envelope":
-                self._stats.envelope_rebuild += 1
         self.policy.observe(self._view(), plan, execution.placed)
         self._slots = execution.slots
         self._cache = (plan, execution)

@@ -59,6 +59,23 @@ TINY_CONFIGS = {
 ANCHOR = [1, 2, 3, 4]
 
 
+def tiny_chat_config(vocab_size: int, max_position_embeddings: int = 4096) -> T.LlamaConfig:
+    """A 2-layer Llama config over a real vocabulary (the default model's tokenizer, chat template)."""
+    sizes = dict(TINY_COMMON, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings)
+    return T.LlamaConfig(num_key_value_heads=2, **sizes)
+
+
+def tiny_chat_engine() -> Engine:
+    """A random 2-layer Llama behind the default model's tokenizer and chat template (no weights loaded)."""
+    from kamera_engine.default_model import ensure_converted
+
+    tokenizer = T.AutoTokenizer.from_pretrained(str(ensure_converted()))
+    torch.manual_seed(0)
+    cfg = tiny_chat_config(len(tokenizer))
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    return Engine(model.eval(), tokenizer, name="tiny-llama-chat")
+
+
 def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = TINY_CONFIGS[name]()

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kamera_engine import Engine, InvalidInputError, SamplingParams
+from kamera_engine.decode import stop_strings
 
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
@@ -120,12 +121,11 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
         max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_new_tokens)
     if max_tokens > limits.max_new_tokens:
         raise InvalidInputError(f"max_tokens={max_tokens} is over this server's limit of {limits.max_new_tokens}")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=0.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        stop=tuple(stop),
+        stop=stop_strings(req.stop),
         seed=req.seed,
     )
     params.validate()  # before the window is touched: a refused request changes nothing

@@ -8,6 +8,7 @@ import transformers as T
 
 from kamera_engine import INSTALL_HINT, KV, Engine, ModelLoadError, SamplingParams
 from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
+from tests.conftest import tiny_chat_config
 
 A_TEXT = (
     "Document 1. The lighthouse keeper on Gull Island is named Tomas Varga. He has kept the light for nineteen "
@@ -85,15 +86,7 @@ def test_patch_kl_falls_with_rank_below_blind(default_engine: Engine) -> None:
 
 
 def test_engine_loads_a_saved_checkpoint_through_from_pretrained(tmp_path, default_engine: Engine) -> None:
-    cfg = T.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=default_engine.tokenizer.vocab_size,
-        max_position_embeddings=2048,
-    )
+    cfg = tiny_chat_config(default_engine.tokenizer.vocab_size, max_position_embeddings=2048)
     T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     default_engine.tokenizer.save_pretrained(tmp_path)
     engine = Engine.load(str(tmp_path), device="cpu", dtype="float32", attn="eager")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 import transformers as T
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage, trim_messages
 
@@ -14,6 +13,7 @@ from kamera_engine.default_model import ensure_converted
 from kamera_langchain import ChatFormat, ChatKamera, ImageInputError
 from kamera_langchain._messages import message_text
 from kamera_sdk import Engine, InvalidInputError, KameraError
+from tests.conftest import tiny_chat_engine
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +23,9 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def tiny(tokenizer: Any) -> Engine:
+def tiny() -> Engine:
     """A 2-layer random Llama over the real vocabulary and chat template."""
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-    )
-    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    return Engine(model.eval(), tokenizer, name="tiny-llama-chat")
+    return tiny_chat_engine()
 
 
 def chat(tiny: Engine, **kw: Any) -> ChatKamera:

@@ -6,29 +6,10 @@ from __future__ import annotations
 import time
 
 import httpx
-import torch
-import transformers as T
 
-from kamera_engine.default_model import ensure_converted
-from kamera_sdk import Engine
 from kamera_sdk.server import create_app, ops
+from tests.conftest import tiny_chat_engine
 from tests.server.conftest import run_server
-
-
-def _tiny() -> Engine:
-    tok = T.AutoTokenizer.from_pretrained(str(ensure_converted()))
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tok),
-        max_position_embeddings=4096,
-    )
-    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    return Engine(model.eval(), tok, name="tiny-llama-chat")
 
 
 def test_a_non_streamed_answer_stops_when_the_client_leaves(monkeypatch) -> None:
@@ -46,7 +27,7 @@ def test_a_non_streamed_answer_stops_when_the_client_leaves(monkeypatch) -> None
         return each(), first
 
     monkeypatch.setattr(ops, "start_generate", counting)
-    app = create_app(_tiny(), api_key="k", max_new_tokens_limit=4096)
+    app = create_app(tiny_chat_engine(), api_key="k", max_new_tokens_limit=4096)
     with run_server(app, "k") as server:
         auth = {"Authorization": "Bearer k"}
         c = httpx.Client(base_url=server.url, headers=auth, timeout=60)
