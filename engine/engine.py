@@ -223,11 +223,16 @@ class Engine:
         self.counters.forward_s += time.perf_counter() - t0
         return res
 
+    def check_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
+        """Refuse token ids outside the vocabulary (``InvalidInputError`` naming a few of them)."""
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        bad = [t for t in values if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+
     def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
         """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
-            bad = input_ids[(input_ids < 0) | (input_ids >= self.vocab_size)][:5].tolist()
-            raise InvalidInputError(f"token ids out of range [0, {self.vocab_size}): {bad}")
+        self.check_ids(input_ids)
         return run_forward(self.model, input_ids, past, start, logits=logits)
 
     @cached_property

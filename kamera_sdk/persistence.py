@@ -49,10 +49,6 @@ class Persistence:
             if chunk.canonical is None and chunk.id not in self._prefetched:
                 self._prefetched[chunk.id] = self.store.submit_get(self.canonical_key(chunk))
 
-    def discard_prefetch(self, chunk: Chunk) -> None:
-        """Drop a prefetched load the plan turned out not to need."""
-        self._prefetched.pop(chunk.id, None)
-
     def load_canonical(self, chunk: Chunk) -> KV | None:
         fut = self._prefetched.pop(chunk.id, None)
         entry = fut.result() if fut is not None else self.store.get(self.canonical_key(chunk))

@@ -655,10 +655,7 @@ class ContextWindow:
             ids.append(index)
         if not ids:
             raise InvalidInputError(f"{what} needs at least one token")
-        vocab = self.engine.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidInputError(f"{what}: token ids out of range [0, {vocab}): {bad[:5]}")
+        self.engine.check_ids(ids)
         return ids
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
