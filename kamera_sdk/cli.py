@@ -122,15 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default=None, help="HF id or local path (default: the embedded SmolLM2-135M)")
     common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     common.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    common.add_argument("--quick", action="store_true", help="a shorter run (fewer probes / steps)")
+    report = argparse.ArgumentParser(add_help=False)  # commands that print a result (not serve)
+    report.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    report.add_argument("--quick", action="store_true", help="a shorter run (fewer probes / steps)")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", parents=[common], help="a short agent session: slide, reorder, recall vs recompute/prefix"
+        "demo", parents=[common, report], help="a short agent session: slide, reorder, recall vs recompute/prefix"
     )
     demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser(
-        "bench", parents=[common], help="run a benchmark: operator, window, compare or store (JSON with --json)"
+        "bench",
+        parents=[common, report],
+        help="run a benchmark: operator, window, compare or store (JSON with --json)",
     )
     bench.add_argument(
         "name",
@@ -138,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compare (reuse and compression policies side by side), store (load vs recompute per tier)",
     )
     bench.set_defaults(func=cmd_bench)
-    doctor = sub.add_parser("doctor", parents=[common], help="versions, device, attention backend, default model")
+    doctor = sub.add_parser(
+        "doctor", parents=[common, report], help="versions, device, attention backend, default model"
+    )
     doctor.set_defaults(func=cmd_doctor)
     serve = sub.add_parser("serve", parents=[common], help="run one engine behind an HTTP API (sessions = windows)")
     serve.add_argument("--host", default="127.0.0.1")

@@ -48,3 +48,11 @@ def test_a_port_out_of_range_is_an_argument_error(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", "--port", "99999"])
     assert exc.value.code == 2 and "port must be in 0..65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--quick"])
+def test_serve_refuses_the_report_flags_it_would_ignore(flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", flag])
+    assert exc.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
+    assert build_parser().parse_args(["bench", "window", flag, "--model", "m"]).model == "m"
