@@ -4,12 +4,13 @@ Layering: this package never imports ``kamera_sdk``. Public names are listed in 
 """
 
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
-from .decode import SamplingParams
+from .decode import SamplingParams, TextStream
 from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home
 from .engine import Engine, EngineCounters, EngineInfo
 from .errors import (
     ChecksumError,
     ChunkNotFoundError,
+    ContextLengthError,
     FingerprintMismatchError,
     InvalidInputError,
     KameraError,
@@ -31,6 +32,7 @@ __all__ = [
     "KV",
     "ChecksumError",
     "ChunkNotFoundError",
+    "ContextLengthError",
     "Engine",
     "EngineCounters",
     "EngineInfo",
@@ -45,6 +47,7 @@ __all__ = [
     "RopeSpec",
     "SamplingParams",
     "StoreError",
+    "TextStream",
     "UnsupportedModelError",
     "WindowOperationError",
     "adapter_for",

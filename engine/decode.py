@@ -98,35 +98,71 @@ def decode_tokens(
             after_step(cache, pos - next_position)
 
 
-def stream_text(tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> Iterator[str]:
+class TextStream(Iterator[str]):
+    """The text pieces of an answer, as they are decoded (stop strings and EOS applied, see ``stream_text``).
+
+    ``tokens``: tokens the model decoded so far, an ending EOS included (what usage counts; re-tokenising
+    the text can give another number). ``finish_reason``: None while it runs, then ``"stop"`` (EOS or a
+    stop string) or ``"length"`` (``max_new_tokens`` decoded, or the context was full).
+    """
+
+    def __init__(self, tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> None:
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self._source = tokens
+        self._pieces = self._run(tokenizer, params)
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop decoding (the token source is closed too)."""
+        self._pieces.close()
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+    def _counted(self) -> Iterator[int]:
+        for token in self._source:
+            self.tokens += 1
+            yield token
+
+    def _run(self, tokenizer: object, params: SamplingParams) -> Iterator[str]:
+        ids: list[int] = []
+        emitted = 0
+        for token in self._counted():
+            if token in params.eos_token_ids:
+                self.finish_reason = "stop"
+                break
+            ids.append(token)
+            text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+            cut = _first_stop(text, params.stop, emitted)
+            if cut is not None:
+                self.finish_reason = "stop"
+                if cut > emitted:
+                    yield text[emitted:cut]
+                return
+            safe = len(text) - _held_back(text, params.stop)
+            if text.endswith("\ufffd"):
+                safe = min(safe, len(text) - 1)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+        text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        cut = _first_stop(text, params.stop, emitted)
+        end = cut if cut is not None else len(text)
+        self.finish_reason = self.finish_reason or ("stop" if cut is not None else "length")
+        if end > emitted:
+            yield text[emitted:end]
+
+
+def stream_text(tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> TextStream:
     """Turn a token stream into text pieces; stop at EOS or a stop string (the stop string is not emitted).
 
     Pieces are emitted only once they cannot be the start of a stop string and contain no partial
     UTF-8 character.
     """
-    ids: list[int] = []
-    emitted = 0
-    for token in tokens:
-        if token in params.eos_token_ids:
-            break
-        ids.append(token)
-        text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-        cut = _first_stop(text, params.stop, emitted)
-        if cut is not None:
-            if cut > emitted:
-                yield text[emitted:cut]
-            return
-        safe = len(text) - _held_back(text, params.stop)
-        if text.endswith("\ufffd"):
-            safe = min(safe, len(text) - 1)
-        if safe > emitted:
-            yield text[emitted:safe]
-            emitted = safe
-    text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-    cut = _first_stop(text, params.stop, emitted)
-    end = cut if cut is not None else len(text)
-    if end > emitted:
-        yield text[emitted:end]
+    return TextStream(tokens, tokenizer, params)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -20,9 +20,9 @@ from torch import nn
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
 from .attention import resolve_attention
-from .decode import SamplingParams, decode_tokens, stream_text
+from .decode import SamplingParams, TextStream, decode_tokens, stream_text
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
-from .errors import InvalidInputError, ModelLoadError, UnsupportedModelError
+from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
 from .fingerprint import engine_fingerprint
 from .kv import KV, Past
 from .operator import Patch
@@ -49,6 +49,7 @@ class EngineInfo(BaseModel):
     device: str
     attention: str
     anchor_tokens: int
+    context_length: int | None = None
 
 
 class EngineCounters(BaseModel):
@@ -82,6 +83,9 @@ class Engine:
         probe = self._probe_shapes()
         self.num_layers, self.num_kv_heads, self.key_dim, self.value_dim = probe
         self.rope: RopeSpec = self.adapter.rope_spec(model, self.key_dim)
+        #: positions a window, its prompt and the answer may take together (the config's
+        #: ``max_position_embeddings``); assign a larger int to extrapolate on purpose, None for no limit
+        self.context_length: int | None = self.adapter.context_length()
         if anchor_ids is not None:
             self.anchor_ids = [int(i) for i in anchor_ids]
             self.prompt_suffix_ids: list[int] = []
@@ -177,6 +181,7 @@ class Engine:
             device=str(self.device),
             attention=self.attention,
             anchor_tokens=len(self.anchor_ids),
+            context_length=self.context_length,
         )
 
     # --- text ---------------------------------------------------------------------------------
@@ -216,12 +221,26 @@ class Engine:
                 f"{self.name}: window of {total} tokens exceeds the sliding window ({limit}); "
                 "sliding-window attention is not position-free"
             )
+        self.check_length(total)
         t0 = time.perf_counter()
         res = self._run(input_ids, past, start, logits)
         self.counters.forwards += 1
         self.counters.tokens_prefilled += int(input_ids.numel())
         self.counters.forward_s += time.perf_counter() - t0
         return res
+
+    def check_length(self, positions: int, *, new_tokens: int = 0) -> None:
+        """Refuse ``positions`` tokens of context plus ``new_tokens`` to decode when together they exceed
+        ``context_length`` (``ContextLengthError``), before any work is done."""
+        limit = self.context_length
+        if limit is None or positions + new_tokens <= limit:
+            return
+        asked = f"{positions} tokens" + (f" + {new_tokens} to generate" if new_tokens else "")
+        raise ContextLengthError(
+            f"{self.name}: {asked} exceed the model's context length of {limit} "
+            "(slide or evict chunks, shorten the prompt or lower max_new_tokens; "
+            "assign engine.context_length to extrapolate on purpose)"
+        )
 
     def check_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
         """Refuse token ids outside the vocabulary (``InvalidInputError`` naming a few of them)."""
@@ -296,11 +315,13 @@ class Engine:
 
     def generate_ids(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[int]:
         """Token ids decoded after ``prompt_ids`` placed at ``start`` (greedy or sampled per ``params``)."""
+        self.check_length(start + len(prompt_ids), new_tokens=params.max_new_tokens)
         res = self.forward(prompt_ids, past, start, logits="last")
         return self._decode(res.cache, res.logits[-1], start + len(prompt_ids), params)
 
     def continue_ids(self, prompt: Prefilled, params: SamplingParams) -> Iterator[int]:
         """Decode on from a prompt that was already prefilled (see ``ForwardResult.prefilled``)."""
+        self.check_length(prompt.next_position, new_tokens=params.max_new_tokens)
         return self._decode(prompt.cache(self.model.config), prompt.logits, prompt.next_position, params)
 
     def _decode(self, cache: object, logits: torch.Tensor, position: int, params: SamplingParams) -> Iterator[int]:
@@ -308,13 +329,13 @@ class Engine:
             params.eos_token_ids = self.eos_token_ids
         return decode_tokens(self.model, cache, logits, position, params)
 
-    def generate(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[str]:
+    def generate(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> TextStream:
         """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""
         if self.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; use generate_ids")
         return self.stream(self.generate_ids(past, prompt_ids, start, params), params)
 
-    def stream(self, token_ids: Iterator[int], params: SamplingParams) -> Iterator[str]:
+    def stream(self, token_ids: Iterator[int], params: SamplingParams) -> TextStream:
         """Text pieces of a token stream (stop strings applied)."""
         if self.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; use generate_ids")

@@ -6,7 +6,8 @@ The tree::
     ├── UnsupportedModelError      a model family, RoPE variant or feature the operator cannot serve exactly
     ├── ModelLoadError             weights or tokenizer could not be found or loaded
     ├── InvalidInputError          malformed user input (bad ids, shapes, ranks, positions, arguments)
-    │   └── MediaError             an image / video that does not decode, a refused or oversized URL
+    │   ├── MediaError             an image / video that does not decode, a refused or oversized URL
+    │   └── ContextLengthError     a window, prompt and answer longer than the model's context
     ├── ChunkNotFoundError         a chunk id the window or store does not know
     ├── WindowOperationError       an operation that is invalid for the window's current state
     ├── KernelBuildError           the fused CPU kernel could not be built (KAMERA_KERNEL=c) or failed to run
@@ -41,6 +42,10 @@ class MediaError(InvalidInputError):
     """An image or video input could not be fetched or decoded."""
 
 
+class ContextLengthError(InvalidInputError):
+    """The positions asked for (window, prompt, answer) exceed the model's context length."""
+
+
 class ChunkNotFoundError(KameraError, KeyError):
     """A chunk id is unknown to the window or the store."""
 
@@ -67,6 +72,7 @@ class ChecksumError(StoreError):
 __all__ = [
     "ChecksumError",
     "ChunkNotFoundError",
+    "ContextLengthError",
     "FingerprintMismatchError",
     "InvalidInputError",
     "KameraError",

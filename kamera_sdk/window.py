@@ -14,7 +14,7 @@ import math
 import operator
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal, overload
@@ -30,7 +30,7 @@ from kamera_engine import (
     SamplingParams,
     WindowOperationError,
 )
-from kamera_engine.decode import stop_strings, stream_text
+from kamera_engine.decode import TextStream, stop_strings, stream_text
 from kamera_engine.runner import Prefilled
 
 from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, StoredPatch, content_id
@@ -378,6 +378,7 @@ class ContextWindow:
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
         ids = self._prompt_ids(prompt)
+        self._check_length(ids)
         plan, execution = self._materialise(ids)
         t0 = time.perf_counter()
         memo = self._prefilled(ids)
@@ -411,7 +412,7 @@ class ContextWindow:
         top_p: float = ...,
         stop: str | Sequence[str] | None = ...,
         seed: int | None = ...,
-    ) -> Iterator[str]: ...
+    ) -> TextStream: ...
 
     def generate(
         self,
@@ -423,9 +424,11 @@ class ContextWindow:
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
-    ) -> str | Iterator[str]:
-        """Answer the prompt over the window (greedy by default); ``stream=True`` yields text pieces.
-        ``stop``: a string, or strings, that end the answer (not included)."""
+    ) -> str | TextStream:
+        """Answer the prompt over the window (greedy by default). ``stream=True`` returns a ``TextStream``:
+        the text pieces as they are decoded, then its ``tokens`` and ``finish_reason``. ``stop``: a string,
+        or strings, that end the answer (not included). The window, the prompt and ``max_new_tokens``
+        must fit the model's context (``ContextLengthError``)."""
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -435,6 +438,7 @@ class ContextWindow:
         )
         params.validate()
         ids = self._prompt_ids(prompt)
+        self._check_length(ids, max_new_tokens)
         plan, execution = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
@@ -456,6 +460,7 @@ class ContextWindow:
         if self.compressor is None:
             raise WindowOperationError("this window has no compression policy (pass compress=...)")
         ids = self._prompt_ids(prompt)
+        self._check_length(ids)
         plan, execution = self._materialise()
         window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
         vision = torch.tensor(
@@ -479,8 +484,10 @@ class ContextWindow:
             raise InvalidInputError(f"mode must be 'conditioning' or 'chunk', got {mode!r}")
         idx = self._index(chunk_id)
         ids = self._prompt_ids(prompt)
-        plan, execution = self._materialise(ids)
         params = SamplingParams(max_new_tokens=max_new_tokens)
+        params.validate()
+        self._check_length(ids, max_new_tokens)
+        plan, execution = self._materialise(ids)
         key = (tuple(ids), max_new_tokens)
         if key not in self._answers:
             t0 = time.perf_counter()
@@ -668,6 +675,11 @@ class ContextWindow:
                 check_prompt_refs(self, prompt)
             return self.engine.prompt_ids(prompt)
         return self._token_ids(prompt, "prompt")
+
+    def _check_length(self, ids: list[int], new_tokens: int = 0) -> None:
+        """The anchor, the window, the prompt and ``new_tokens`` of answer must fit the model's context
+        (``ContextLengthError`` before anything is assembled)."""
+        self.engine.check_length(len(self.engine.anchor_ids) + self.tokens + len(ids), new_tokens=new_tokens)
 
     def _count_prompt(self, ids: list[int], t0: float, *, own_forward: bool = True) -> None:
         self._stats.forwards += own_forward  # a prompt fused into the window's forward ran no pass of its own

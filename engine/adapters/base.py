@@ -52,6 +52,13 @@ class ModelAdapter:
     def validate(self, config: Any) -> None:
         """Refuse configurations the operator cannot serve exactly."""
 
+    def context_length(self) -> int | None:
+        """Positions the model was trained to attend over (``max_position_embeddings`` of its text config;
+        RoPE-scaled configs state the extended length there), or None when the config does not say."""
+        text = getattr(self.config, "text_config", None) or self.config
+        value = getattr(text, "max_position_embeddings", None)
+        return int(value) if value else None
+
     def max_context(self) -> int | None:
         """Longest window whose attention is position-independent of cache layout (sliding windows): the
         window less one, since a sliding cache layer keeps only the last ``sliding_window - 1`` tokens."""

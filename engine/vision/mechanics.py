@@ -64,16 +64,18 @@ def measure(engine: VisionEngine, ranks: tuple[int, ...] = (4, 32)) -> dict[str,
     for name in ("relocation_max_abs_err", "rotation_max_abs_err", "survivor_max_abs_err"):
         out[name] = {}
     can_b = engine.canonical(b_ids)
-    for d in DISTANCES:
+    full = anchor + a_ids + b_ids
+    limit = engine.context_length
+    distances = [d for d in DISTANCES if limit is None or d + len(full) <= limit]  # references stay in context
+    for d in distances:
         ref = engine.forward(anchor + b_ids, None, d, logits="none").kv.slice(len(anchor), len(anchor) + len(b_ids))
         placed = engine.apply(can_b, None, d + len(anchor), exact=True)
         out["relocation_max_abs_err"][d] = _maxerr(placed, ref)
         out["rotation_max_abs_err"][d] = _maxerr(placed, ref, slice(0, 1))
-    full = anchor + a_ids + b_ids
     start_b = len(anchor) + len(a_ids)
     ref_run = engine.forward(full, None, 0, logits="none").kv
     cond_b = ref_run.slice(start_b, len(full))
-    for d in DISTANCES:
+    for d in distances:
         moved = engine.forward(full, None, d, logits="none").kv.slice(start_b, len(full))
         out["survivor_max_abs_err"][d] = _maxerr(engine.relocate(cond_b, start_b + d), moved)
     full_rank = engine.form_patch(cond_b, can_b, rank=len(b_ids))

@@ -46,7 +46,7 @@ _TEXT = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=VOCAB,
-    max_position_embeddings=8192,
+    max_position_embeddings=32768,  # room for the mechanics check's farthest placement (30,000)
 )
 
 

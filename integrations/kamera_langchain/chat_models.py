@@ -28,6 +28,7 @@ from kamera_sdk import (
     EnvelopeConfig,
     InvalidInputError,
     SamplingParams,
+    TextStream,
     WindowConfig,
 )
 
@@ -87,6 +88,7 @@ class _Call:
     input_tokens: int = 0
     delta: dict[str, int] = field(default_factory=dict)
     chunks: int = 0
+    stream: TextStream | None = None  # the answer's decode: its tokens and finish_reason
 
 
 class ChatKamera(BaseChatModel):
@@ -269,13 +271,14 @@ class ChatKamera(BaseChatModel):
             call.report = conv.sync(call.texts)
             call.chunks = len(win)
             call.input_tokens = len(win.engine.anchor_ids) + win.tokens + len(call.prompt)
-            yield from win.generate(call.prompt, stream=True, **call.sampling)
+            call.stream = win.generate(call.prompt, stream=True, **call.sampling)
+            yield from call.stream
             call.delta = stats_delta(before, win.stats())
 
     def _finish(self, call: _Call, text: str) -> tuple[UsageMetadata, dict[str, Any]]:
         """Usage metadata and ``response_metadata`` of a finished call."""
-        engine = call.conversation.window.engine
-        output_tokens = len(engine.tokenize(text)) if text else 0
+        stream = call.stream
+        output_tokens = stream.tokens if stream is not None else 0  # decoded, not the text re-tokenised
         # tokens served without a forward this call: a new message is compiled (ingest) and usually also
         # prefilled in context, so the larger of the two counts it once (exact unless the chunks compiled
         # and the chunks prefilled differ, e.g. a new chunk placed first while a cascade rebuilds others)
@@ -287,7 +290,7 @@ class ChatKamera(BaseChatModel):
             total_tokens=call.input_tokens + output_tokens,
             input_token_details=InputTokenDetails(cache_read=cached),
         )
-        finish = "length" if output_tokens >= call.sampling["max_new_tokens"] else "stop"
+        finish = (stream.finish_reason if stream is not None else None) or "stop"
         kamera = {
             "session_id": call.session,
             "policy": self.policy,

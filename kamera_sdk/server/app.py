@@ -42,7 +42,7 @@ from ..store import default_store_path, open_store
 from ..window import ContextWindow
 from . import chat as chat_ops
 from . import ops
-from .errors import AuthenticationError, PayloadTooLargeError, error_body, status_for
+from .errors import AuthenticationError, PayloadTooLargeError, error_body, exception_body, status_for
 from .schemas import (
     ChatChoice,
     ChatCompletion,
@@ -168,7 +168,7 @@ class GuardMiddleware:
 
 
 def _error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(type(exc).__name__, str(exc)), status_code=status_for(exc), headers=headers)
+    return JSONResponse(exception_body(exc), status_code=status_for(exc), headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
@@ -345,17 +345,15 @@ def create_app(
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            body = _sse_chat(worker, engine, start, cid, created, model, include_usage)
+            body = _sse_chat(worker, start, cid, created, model, include_usage)
             return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
         text = (start.first or "") + "".join(await _collect(request, worker.iterate(start.pieces)))
-        usage = _usage(engine, start, text)
+        usage = _usage(start)
         return ChatCompletion(
             id=cid,
             created=created,
             model=model,
-            choices=[
-                ChatChoice(message=ChatCompletionMessage(content=text), finish_reason=_finish(usage, start.max_tokens))
-            ],
+            choices=[ChatChoice(message=ChatCompletionMessage(content=text), finish_reason=_finish(start))],
             usage=usage,
         )
 
@@ -373,8 +371,8 @@ async def _collect(request: Request, pieces: AsyncIterator[str]) -> list[str]:
     return out
 
 
-def _usage(engine: Engine, start: chat_ops.ChatStart, text: str) -> Usage:
-    completion = ops.completion_tokens(engine, text)
+def _usage(start: chat_ops.ChatStart) -> Usage:
+    completion = start.pieces.tokens  # the tokens decoded (the text re-tokenised can count otherwise)
     return Usage(
         prompt_tokens=start.prompt_tokens,
         completion_tokens=completion,
@@ -383,8 +381,8 @@ def _usage(engine: Engine, start: chat_ops.ChatStart, text: str) -> Usage:
     )
 
 
-def _finish(usage: Usage, max_tokens: int) -> Any:
-    return "length" if usage.completion_tokens >= max_tokens else "stop"
+def _finish(start: chat_ops.ChatStart) -> Any:
+    return start.pieces.finish_reason or "stop"  # None only if decoding was cut short
 
 
 async def _sse_generate(worker: ModelWorker, pieces: Iterator[str], first: str | None) -> AsyncIterator[bytes]:
@@ -399,12 +397,11 @@ async def _sse_generate(worker: ModelWorker, pieces: Iterator[str], first: str |
             yield encode_event({"text": piece}, "token")
         yield encode_event({"text": "".join(text)}, "done")
     except Exception as exc:  # headers are sent: report in-band
-        yield encode_event(error_body(type(exc).__name__, str(exc)), "error")
+        yield encode_event(exception_body(exc), "error")
 
 
 async def _sse_chat(
     worker: ModelWorker,
-    engine: Engine,
     start: chat_ops.ChatStart,
     cid: str,
     created: int,
@@ -428,13 +425,13 @@ async def _sse_chat(
         async for piece in worker.iterate(start.pieces):
             text.append(piece)
             yield chunk(ChunkDelta(content=piece))
-        usage = _usage(engine, start, "".join(text))
-        yield chunk(ChunkDelta(), _finish(usage, start.max_tokens))
+        usage = _usage(start)
+        yield chunk(ChunkDelta(), _finish(start))
         if include_usage:
             tail = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
             yield encode_event(tail.model_dump(mode="json", exclude_none=True))
     except Exception as exc:
-        yield encode_event(error_body(type(exc).__name__, str(exc)))
+        yield encode_event(exception_body(exc))
     yield encode_event("[DONE]")
 
 
@@ -459,4 +456,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body("InternalError", f"{type(exc).__name__}: {exc}"), status_code=500)
+        return _error_response(exc)

@@ -12,11 +12,10 @@ into an answer.
 from __future__ import annotations
 
 import binascii
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kamera_engine import Engine, InvalidInputError, SamplingParams
-from kamera_engine.decode import stop_strings
+from kamera_engine.decode import TextStream, stop_strings
 
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
@@ -108,11 +107,10 @@ def sync_window(win: ContextWindow, items: list[Item], limits: Limits) -> None:
 class ChatStart:
     """The first piece of an answer, the iterator of the rest, and the prompt-side token counts."""
 
-    pieces: Iterator[str]
+    pieces: TextStream  # its tokens and finish_reason give the usage once it is drained
     first: str | None
     prompt_tokens: int
     cached_tokens: int
-    max_tokens: int
 
 
 def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
@@ -132,6 +130,15 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     return params
 
 
+def _fit_answer(engine: Engine, req: ChatCompletionRequest, params: SamplingParams, positions: int) -> None:
+    """An answer whose length the request left open ends where the model's context does (as OpenAI's);
+    a context the prompt alone fills, or an explicit ``max_tokens`` past it, is a ``ContextLengthError``."""
+    limit = engine.context_length
+    if limit is not None and req.max_tokens is None and req.max_completion_tokens is None:
+        params.max_new_tokens = max(1, min(params.max_new_tokens, limit - positions))
+    engine.check_length(positions, new_tokens=params.max_new_tokens)
+
+
 def start_chat(
     engine: Engine, win: ContextWindow | None, req: ChatCompletionRequest, params: SamplingParams, limits: Limits
 ) -> ChatStart:
@@ -142,11 +149,14 @@ def start_chat(
     items = [item for m in req.messages[:-1] for item in message_items(m, limits)]
     prompt = prompt_text(req.messages[-1])
     prompt_ids = engine.prompt_ids(prompt)
+    text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))
+    _fit_answer(engine, req, params, len(engine.anchor_ids) + text_tokens + len(prompt_ids))  # before the sync
     if win is None and items:
         win = ContextWindow(engine)
     if win is not None:
         before = win.stats()
         sync_window(win, items, limits)
+        _fit_answer(engine, req, params, len(engine.anchor_ids) + win.tokens + len(prompt_ids))  # images counted
     if win is not None and len(win):
         pieces = win.generate(
             prompt,
@@ -169,4 +179,4 @@ def start_chat(
         context = len(engine.anchor_ids)
     total = context + len(prompt_ids)
     first = next(pieces, None)
-    return ChatStart(pieces, first, total, max(0, total - computed), params.max_new_tokens)
+    return ChatStart(pieces, first, total, max(0, total - computed))

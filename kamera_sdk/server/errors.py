@@ -15,10 +15,14 @@ The server adds a few errors to Kamera's tree (``kamera_engine.errors``)::
 
 Every error response has the body ``{"error": {"type": <class name>, "message": <text>}}``; the
 client raises the class named by ``type`` again, so remote code catches the same exceptions as local.
+Anything else that fails is an ``InternalError`` (500) whose message is only a reference: the
+exception and its traceback go to the ``kamera.server`` log under that reference.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 from kamera_engine import errors as _engine_errors
@@ -98,6 +102,16 @@ def error_body(type_name: str, message: str) -> dict[str, Any]:
     return {"error": {"type": type_name, "message": message}}
 
 
+def exception_body(exc: BaseException) -> dict[str, Any]:
+    """The body for ``exc``: Kamera's own errors say what was wrong; anything else is logged with its
+    traceback under a reference, and only the reference is sent (internals stay in the server's log)."""
+    if isinstance(exc, KameraError):
+        return error_body(type(exc).__name__, str(exc))
+    ref = uuid.uuid4().hex[:12]
+    logging.getLogger("kamera.server").error("internal error %s", ref, exc_info=exc)
+    return error_body("InternalError", f"internal error {ref} (the server log has the details)")
+
+
 def _known_errors() -> dict[str, type[KameraError]]:
     known: dict[str, type[KameraError]] = {}
     for name in _engine_errors.__all__:
@@ -138,5 +152,6 @@ __all__ = [
     "SessionNotFoundError",
     "error_body",
     "error_from_response",
+    "exception_body",
     "status_for",
 ]

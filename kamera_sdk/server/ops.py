@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kamera_engine import Engine, InvalidInputError, UnsupportedModelError
+from kamera_engine import InvalidInputError, UnsupportedModelError
 
 from ..chunks import content_id
 from ..window import ContextWindow
@@ -106,8 +106,3 @@ def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[Iterator[s
         seed=req.seed,
     )
     return pieces, next(pieces, None)
-
-
-def completion_tokens(engine: Engine, text: str) -> int:
-    """Tokens in a generated answer (re-tokenised: decode pieces are text, not tokens)."""
-    return len(engine.tokenize(text)) if text and engine.tokenizer is not None else 0

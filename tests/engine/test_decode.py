@@ -33,6 +33,34 @@ def test_stream_ends_at_eos() -> None:
     assert "".join(stream_text(iter([0, 1, 3, 4]), _CharTokenizer(), params)) == "ab"
 
 
+def test_a_stream_counts_decoded_tokens_and_says_why_it_ended() -> None:
+    def run(tokens: list[int], **kw) -> tuple[str, int, str | None]:
+        stream = stream_text(iter(tokens), _CharTokenizer(), SamplingParams(**kw))
+        assert (stream.tokens, stream.finish_reason) == (0, None)  # nothing decoded before it is read
+        return "".join(stream), stream.tokens, stream.finish_reason
+
+    # tokens decoded, not the text's length: 26 decodes to "a" again; the EOS and a stop's tokens count
+    assert run([0, 26, 1]) == ("aab", 3, "length")
+    assert run([0, 1, 3, 4], eos_token_ids=(3,)) == ("ab", 3, "stop")
+    assert run([0, 1, 2, 3, 4], stop=("cd",)) == ("ab", 4, "stop")
+    assert run([]) == ("", 0, "length")
+
+
+def test_closing_a_stream_closes_its_token_source() -> None:
+    closed = []
+
+    def source():
+        try:
+            yield from range(10)
+        finally:
+            closed.append(True)
+
+    stream = stream_text(source(), _CharTokenizer(), SamplingParams())
+    assert next(stream) == "a"
+    stream.close()
+    assert closed == [True] and stream.finish_reason is None
+
+
 def test_top_p_keeps_only_the_nucleus() -> None:
     logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
     params = SamplingParams(temperature=1.0, top_p=0.5)

@@ -8,6 +8,7 @@ import torch
 from kamera_engine import SamplingParams
 from kamera_sdk import (
     ChunkNotFoundError,
+    ContextLengthError,
     ContextWindow,
     InvalidInputError,
     Source,
@@ -530,3 +531,29 @@ def test_a_failed_set_aside_patch_stays_queued_and_the_operation_stands(engine, 
     monkeypatch.undo()
     assert win.flush() >= 1 and win._executor.orphans == []
     assert [p.kind for p in win.chunk(ids[1]).patches] == ["exact"]
+
+
+def test_a_window_past_the_model_context_is_refused_before_any_work() -> None:
+    e = tiny_engine("llama", seed=3)
+    assert e.context_length == 8192 == e.info().context_length  # the config's max_position_embeddings
+    win, ids = _filled(e, "recompute")  # exact, so each answer can be checked against re-prefill
+    fits = len(ANCHOR) + win.tokens + len(PROMPT)
+    e.context_length = fits + 2  # the prompt and two answer tokens fit exactly
+    assert torch.equal(win.next_token_logprobs(PROMPT), _reprefill_logprobs(e, win))
+    assert win.is_disposable(ids[1], PROMPT, max_new_tokens=2).answer_with
+    before = (win.chunks, win.stats().forwards, e.counters.forwards)
+    with pytest.raises(ContextLengthError, match=rf"{fits} tokens \+ 3 to generate exceed .* of {fits + 2}"):
+        win.generate(PROMPT, max_new_tokens=3)
+    with pytest.raises(ContextLengthError, match="context length"):
+        win.is_disposable(ids[1], PROMPT, max_new_tokens=3)
+    e.context_length = fits - 1
+    with pytest.raises(ContextLengthError, match=rf"{fits} tokens exceed the model's context length of {fits - 1}"):
+        win.next_token_logprobs(PROMPT)
+    with pytest.raises(ContextLengthError):  # the engine refuses the positions itself, too
+        e.forward(random_ids(fits, seed=1), None, 0)
+    assert (win.chunks, win.stats().forwards, e.counters.forwards) == before
+    win.slide(1)  # back inside the context: served again, as re-prefill
+    assert torch.equal(win.next_token_logprobs(PROMPT), _reprefill_logprobs(e, win))
+    e.context_length = None  # no limit
+    win.add(random_ids(40, seed=7))
+    assert win.next_token_logprobs(PROMPT).shape == (128,)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,3 +205,23 @@ def test_openai_malformed(http: httpx.Client) -> None:
         MESSAGES[-1],
     ]
     assert "data: URL" in error(chat(http, messages=remote_image), 422, "InvalidInputError")
+
+
+def test_an_unexpected_failure_is_a_500_that_keeps_internals_in_the_log(
+    http: httpx.Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kamera_sdk.server import ops
+
+    def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("secret detail at /srv/kamera/internal.py")
+
+    monkeypatch.setattr(ops, "logprobs", broken)
+    sid = session(http)
+    with caplog.at_level(logging.ERROR, logger="kamera.server"):
+        r = http.post(f"/v1/sessions/{sid}/logprobs", json={"prompt": "Q"})
+    message = error(r, 500, "InternalError")
+    assert "secret" not in r.text and "RuntimeError" not in r.text
+    ref = re.fullmatch(r"internal error ([0-9a-f]{12}) \(the server log has the details\)", message)
+    assert ref is not None
+    logged = [rec for rec in caplog.records if ref.group(1) in rec.getMessage()]
+    assert len(logged) == 1 and "secret detail" in str(logged[0].exc_info[1])  # type: ignore[index]

@@ -68,7 +68,9 @@ def test_processor_puts_the_right_number_of_placeholders(family_engine: VisionEn
 
 
 def test_image_chunk_operator_mechanics(family_engine: VisionEngine) -> None:
+    assert family_engine.context_length == 32768  # the language model's max_position_embeddings
     r = measure(family_engine)
+    assert 30000 in r["relocation_max_abs_err"]  # the farthest placement fits that context
     for d, err in r["rotation_max_abs_err"].items():  # layer 0: the rotation alone, M-RoPE included
         assert err <= 1e-5, f"rotation to {d}: {err:.2e}"
     # every layer: also the prefill's own float32 drift with absolute position (as for text tokens)

@@ -1,0 +1,45 @@
+"""The model's context length over HTTP: an open answer ends where the context does, an explicit one past
+it is refused (422) and changes nothing (tiny random model over the default model's tokenizer, real uvicorn)."""
+
+from __future__ import annotations
+
+import httpx
+
+from kamera_sdk.server import create_app
+from tests.conftest import tiny_chat_engine
+from tests.server.conftest import run_server
+
+
+def test_requests_are_held_to_the_model_context() -> None:
+    engine = tiny_chat_engine()
+    history = [{"role": "user", "content": "The sky is blue. " * 8}, {"role": "assistant", "content": "Noted."}]
+    messages = [*history, {"role": "user", "content": "What colour is the sky?"}]
+    with run_server(create_app(engine, api_key="k"), "k") as server:
+        c = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=60)
+        open_ended = c.post("/v1/chat/completions", json={"messages": messages, "user": "u"}).json()
+        used = open_ended["usage"]["prompt_tokens"]
+        # usage counts the tokens decoded: the default 256, not the answer's text re-tokenised (268 here)
+        assert (open_ended["usage"]["completion_tokens"], open_ended["choices"][0]["finish_reason"]) == (256, "length")
+        engine.context_length = used + 5  # room for five answer tokens
+        r = c.post("/v1/chat/completions", json={"messages": messages, "user": "u", "temperature": 0}).json()
+        assert r["usage"]["completion_tokens"] == 5
+        assert r["choices"][0]["finish_reason"] == "length"  # ended by the context, and says so
+
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6})
+        assert r.status_code == 422
+        error = r.json()["error"]
+        assert error["type"] == "ContextLengthError"
+        assert f"{used} tokens + 6 to generate exceed the model's context length of {used + 5}" in error["message"]
+
+        longer = [*history, {"role": "user", "content": "More. " * 40}, {"role": "user", "content": "Q?"}]
+        r = c.post("/v1/chat/completions", json={"messages": longer, "user": "u"})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "ContextLengthError"
+        r = c.post("/v1/chat/completions", json={"messages": messages, "user": "u", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        sid = c.post("/v1/sessions").json()["id"]
+        c.post(f"/v1/sessions/{sid}/chunks", json={"text": "The sky is blue. " * 8})
+        r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": used})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "ContextLengthError"
+        assert c.get(f"/v1/sessions/{sid}").json()["tokens"] > 0  # the session is intact
+        assert c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": 2}).status_code == 200
