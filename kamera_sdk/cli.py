@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import sys
 from typing import Any
 
 from rich.table import Table
 
-from .console import err, out
+from .console import err, out, write_json
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -32,21 +29,10 @@ def _port(value: str) -> int:
     return port
 
 
-def _finite(data: Any) -> Any:
-    """``data`` with NaN / infinities as null: strict JSON has no spelling for them."""
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [_finite(v) for v in data]
-    return data
-
-
 def print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
     """JSON on stdout with ``--json``; a readable table otherwise."""
     if as_json:
-        sys.stdout.write(json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n")
+        write_json(result)
         return
     table = Table(title=title)
     table.add_column("key")
@@ -78,8 +64,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from kamera_engine.attention import flash_attn_available
+    from kamera_engine.attention import flash_attn_available, resolve_attention
 
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
         "python": platform.python_version(),
@@ -88,10 +75,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
         "flash_attn_installed": flash_attn_available(),
         "threads": torch.get_num_threads(),
+        "device": str(device),  # what a load without --device picks, known even if the model fails to load
+        "attention": resolve_attention(None, device),
     }
     try:
         engine = _engine(args)
-        report["default_model"] = engine.info().model_dump()
+        report["model" if args.model else "default_model"] = engine.info().model_dump()
         report["fingerprint"] = engine.fingerprint
         report["model_loads"] = True
     except Exception as exc:  # report, do not crash: this is the diagnostic command

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
+import sys
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,3 +25,19 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
         for item in items:
             yield item
             progress.advance(task)
+
+
+def finite(data: Any) -> Any:
+    """``data`` with NaN / infinities as null: strict JSON has no spelling for them."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(v) for v in data]
+    return data
+
+
+def write_json(data: Any) -> None:
+    """One strict JSON document on stdout (what ``--json`` promises)."""
+    sys.stdout.write(json.dumps(finite(data), indent=2, default=str, allow_nan=False) + "\n")

@@ -7,8 +7,6 @@ side by side (``kamera``, ``recompute``, ``prefix``) so the cost and fidelity of
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from typing import Any
 
@@ -18,7 +16,7 @@ from kamera_engine import Engine
 
 from .bench.corpus import load_corpus
 from .bench.metrics import kl
-from .console import err, out
+from .console import err, out, write_json
 from .window import ContextWindow
 
 POLICIES = ("kamera", "recompute", "prefix")
@@ -96,7 +94,7 @@ def run_demo(engine: Engine, *, quick: bool = False, as_json: bool = False) -> i
 
     summary = _summary(wins, steps)
     if as_json:
-        sys.stdout.write(json.dumps({"steps": steps, "summary": summary}, indent=2, default=str) + "\n")
+        write_json({"steps": steps, "summary": summary})
         return 0
     table = Table(title="kamera demo: cost and fidelity over the session")
     for col in ("policy", "tokens prefilled", "mean TTFT (s)", "mean KL to recompute", "answers = recompute"):

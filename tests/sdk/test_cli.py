@@ -16,6 +16,21 @@ def test_doctor_json_reports_the_default_model(capsys) -> None:
     assert report["model_loads"] is True
     assert report["default_model"]["num_layers"] == 30
     assert report["torch"].startswith("2.")
+    assert (
+        (report["device"], report["attention"])
+        == ("cpu", "sdpa")
+        == (
+            report["default_model"]["device"],
+            report["default_model"]["attention"],
+        )
+    )
+
+
+def test_doctor_reports_device_and_attention_when_the_model_does_not_load(capsys, tmp_path) -> None:
+    assert main(["doctor", "--json", "--model", str(tmp_path / "missing")]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_loads"] is False and "missing" in report["error"]
+    assert (report["device"], report["attention"]) == ("cpu", "sdpa")
 
 
 def test_unknown_bench_is_a_clear_error(capsys) -> None:
