@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .app import create_app
     from .cli import serve
-    from .client import AsyncRemoteWindow, RemoteWindow
+    from .client import AsyncRemoteTextStream, AsyncRemoteWindow, RemoteTextStream, RemoteWindow
     from .errors import (
         AuthenticationError,
         LimitExceededError,
@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 _WHERE = {
     "create_app": ".app",
     "serve": ".cli",
+    "AsyncRemoteTextStream": ".client",
     "AsyncRemoteWindow": ".client",
+    "RemoteTextStream": ".client",
     "RemoteWindow": ".client",
     "AuthenticationError": ".errors",
     "LimitExceededError": ".errors",
@@ -34,11 +36,13 @@ _WHERE = {
 }
 
 __all__ = [
+    "AsyncRemoteTextStream",
     "AsyncRemoteWindow",
     "AuthenticationError",
     "LimitExceededError",
     "PayloadTooLargeError",
     "RemoteError",
+    "RemoteTextStream",
     "RemoteWindow",
     "SessionNotFoundError",
     "create_app",

@@ -25,7 +25,7 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kamera_engine import Engine, InvalidInputError, KameraError
+from kamera_engine import Engine, InvalidInputError, KameraError, TextStream
 
 from ..stats import WindowStats
 from ..store import default_store_path, open_store
@@ -325,7 +325,7 @@ def create_app(
             )
         text = [first] if first is not None else []
         text += await _collect(request, worker.iterate(pieces))
-        return GenerateResult(text="".join(text))
+        return GenerateResult(text="".join(text), tokens=pieces.tokens, finish_reason=pieces.finish_reason or "stop")
 
     # --- OpenAI-compatible -----------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
@@ -385,8 +385,9 @@ def _finish(start: chat_ops.ChatStart) -> Any:
     return start.pieces.finish_reason or "stop"  # None only if decoding was cut short
 
 
-async def _sse_generate(worker: ModelWorker, pieces: Iterator[str], first: str | None) -> AsyncIterator[bytes]:
-    """``token`` events with each piece, then ``done`` with the whole text, or ``error``."""
+async def _sse_generate(worker: ModelWorker, pieces: TextStream, first: str | None) -> AsyncIterator[bytes]:
+    """``token`` events with each piece, then ``done`` with the whole text, the tokens decoded and the
+    finish reason, or ``error``."""
     text: list[str] = []
     try:
         if first is not None:
@@ -395,7 +396,8 @@ async def _sse_generate(worker: ModelWorker, pieces: Iterator[str], first: str |
         async for piece in worker.iterate(pieces):
             text.append(piece)
             yield encode_event({"text": piece}, "token")
-        yield encode_event({"text": "".join(text)}, "done")
+        done = {"text": "".join(text), "tokens": pieces.tokens, "finish_reason": pieces.finish_reason or "stop"}
+        yield encode_event(done, "done")
     except Exception as exc:  # headers are sent: report in-band
         yield encode_event(exception_body(exc), "error")
 

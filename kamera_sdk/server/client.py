@@ -132,18 +132,101 @@ def _checked(response: httpx.Response) -> Any:
     raise error_from_response(response.status_code, _json(response))
 
 
-_DONE = object()
+@dataclass(frozen=True, slots=True)
+class _Done:
+    tokens: int | None
+    finish_reason: str | None
 
 
 def _stream_event(event: Event) -> Any:
-    """A text piece, ``_DONE``, ``None`` (ignore), or raises the error the server reported in-band."""
+    """A text piece, a ``_Done``, ``None`` (ignore), or raises the error the server reported in-band."""
     if event.event == "token":
         return str(event.json()["text"])
     if event.event == "done":
-        return _DONE
+        body = event.json()
+        return _Done(body.get("tokens"), body.get("finish_reason"))
     if event.event == "error":
         raise error_from_response(500, event.json())
     return None
+
+
+class _Answer:
+    """What both remote streams read off the server's events: text pieces, then the ``done`` totals."""
+
+    def __init__(self) -> None:
+        self.tokens: int | None = None
+        self.finish_reason: str | None = None
+        self._decoder = SSEDecoder()
+        self._ended = False
+
+    def _take(self, line: str) -> str | None:
+        """The piece on ``line`` if any; the ``done`` event sets the totals and ends the stream."""
+        event = self._decoder.feed(line)
+        piece = None if event is None else _stream_event(event)
+        if isinstance(piece, _Done):
+            self.tokens, self.finish_reason, self._ended = piece.tokens, piece.finish_reason, True
+            return None
+        return piece
+
+
+class RemoteTextStream(_Answer, Iterator[str]):
+    """The text pieces of a remote answer, as ``ContextWindow.generate(stream=True)``'s ``TextStream``:
+    ``tokens`` and ``finish_reason`` are set when the server's stream ends (None before)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__()
+        self._pieces = self._run(response)
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop reading (the connection is closed; the server stops decoding)."""
+        self._pieces.close()
+
+    def _run(self, response: httpx.Response) -> Iterator[str]:
+        try:
+            for line in response.iter_lines():
+                piece = self._take(line)
+                if self._ended:
+                    return
+                if piece is not None:
+                    yield piece
+        except httpx.TransportError as exc:
+            raise _cut(exc) from exc
+        finally:
+            response.close()
+        raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
+
+
+class AsyncRemoteTextStream(_Answer, AsyncIterator[str]):
+    """``RemoteTextStream`` for ``AsyncRemoteWindow``: ``async for`` the pieces, then ``tokens`` and
+    ``finish_reason``."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__()
+        self._pieces = self._run(response)
+
+    async def __anext__(self) -> str:
+        return await self._pieces.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop reading (the connection is closed; the server stops decoding)."""
+        await self._pieces.aclose()
+
+    async def _run(self, response: httpx.Response) -> AsyncIterator[str]:
+        try:
+            async for line in response.aiter_lines():
+                piece = self._take(line)
+                if self._ended:
+                    return
+                if piece is not None:
+                    yield piece
+        except httpx.TransportError as exc:
+            raise _cut(exc) from exc
+        finally:
+            await response.aclose()
+        raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
 
 
 def _options(
@@ -209,7 +292,7 @@ class RemoteWindow:
             raise _unreachable(self.base_url, exc) from exc
         return req.parse(_checked(response))
 
-    def _stream(self, req: _Request[Any]) -> Iterator[str]:
+    def _stream(self, req: _Request[Any]) -> RemoteTextStream:
         try:
             response = self._client.send(self._client.build_request(req.method, req.path, json=req.json), stream=True)
         except httpx.TransportError as exc:
@@ -218,24 +301,7 @@ class RemoteWindow:
             response.read()
             response.close()
             _checked(response)
-        return self._pieces(response)
-
-    @staticmethod
-    def _pieces(response: httpx.Response) -> Iterator[str]:
-        decoder = SSEDecoder()
-        try:
-            for line in response.iter_lines():
-                event = decoder.feed(line)
-                piece = None if event is None else _stream_event(event)
-                if piece is _DONE:
-                    return
-                if piece is not None:
-                    yield piece
-        except httpx.TransportError as exc:
-            raise _cut(exc) from exc
-        finally:
-            response.close()
-        raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
+        return RemoteTextStream(response)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> RemoteWindow:
@@ -355,7 +421,7 @@ class RemoteWindow:
         top_p: float = ...,
         stop: Sequence[str] | None = ...,
         seed: int | None = ...,
-    ) -> Iterator[str]: ...
+    ) -> RemoteTextStream: ...
 
     def generate(
         self,
@@ -367,8 +433,9 @@ class RemoteWindow:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
-    ) -> str | Iterator[str]:
-        """The answer (str), or with ``stream=True`` an iterator of text pieces (server-sent events)."""
+    ) -> str | RemoteTextStream:
+        """The answer (str), or with ``stream=True`` a ``RemoteTextStream`` of text pieces (server-sent
+        events) whose ``tokens`` and ``finish_reason`` are set when it ends."""
         req = self._r.generate(
             prompt,
             max_new_tokens=max_new_tokens,
@@ -427,7 +494,7 @@ class AsyncRemoteWindow:
         assert self._r is not None
         return self._r
 
-    async def _stream(self, req: _Request[Any]) -> AsyncIterator[str]:
+    async def _stream(self, req: _Request[Any]) -> AsyncRemoteTextStream:
         try:
             request = self._client.build_request(req.method, req.path, json=req.json)
             response = await self._client.send(request, stream=True)
@@ -437,24 +504,7 @@ class AsyncRemoteWindow:
             await response.aread()
             await response.aclose()
             _checked(response)
-        return self._pieces(response)
-
-    @staticmethod
-    async def _pieces(response: httpx.Response) -> AsyncIterator[str]:
-        decoder = SSEDecoder()
-        try:
-            async for line in response.aiter_lines():
-                event = decoder.feed(line)
-                piece = None if event is None else _stream_event(event)
-                if piece is _DONE:
-                    return
-                if piece is not None:
-                    yield piece
-        except httpx.TransportError as exc:
-            raise _cut(exc) from exc
-        finally:
-            await response.aclose()
-        raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
+        return AsyncRemoteTextStream(response)
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def open(self) -> AsyncRemoteWindow:
@@ -562,7 +612,7 @@ class AsyncRemoteWindow:
         top_p: float = ...,
         stop: Sequence[str] | None = ...,
         seed: int | None = ...,
-    ) -> AsyncIterator[str]: ...
+    ) -> AsyncRemoteTextStream: ...
 
     async def generate(
         self,
@@ -574,8 +624,9 @@ class AsyncRemoteWindow:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
-    ) -> str | AsyncIterator[str]:
-        """The answer (str), or with ``stream=True`` an async iterator of text pieces."""
+    ) -> str | AsyncRemoteTextStream:
+        """The answer (str), or with ``stream=True`` an ``AsyncRemoteTextStream`` of text pieces whose
+        ``tokens`` and ``finish_reason`` are set when it ends."""
         req = (await self._requests()).generate(
             prompt,
             max_new_tokens=max_new_tokens,

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from kamera_engine import InvalidInputError, UnsupportedModelError
+from kamera_engine import InvalidInputError, TextStream, UnsupportedModelError
 
 from ..chunks import content_id
 from ..window import ContextWindow
@@ -94,7 +93,7 @@ def logprobs(win: ContextWindow, prompt: str | list[int], top_k: int | None) -> 
     )
 
 
-def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[Iterator[str], str | None]:
+def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[TextStream, str | None]:
     """Prefill the prompt and decode the first piece; the rest is pulled one step per job."""
     pieces = win.generate(
         req.prompt,

@@ -115,9 +115,12 @@ class GenerateRequest(_Strict):
 
 
 class GenerateResult(BaseModel):
-    """A whole (non-streamed) answer."""
+    """A whole (non-streamed) answer: its text, the tokens decoded (an ending EOS included) and why it
+    ended (``stop``: EOS or a stop string; ``length``: ``max_new_tokens``)."""
 
     text: str
+    tokens: int
+    finish_reason: Literal["stop", "length"]
 
 
 class LogprobsRequest(_Strict):

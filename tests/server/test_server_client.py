@@ -95,7 +95,9 @@ def test_generate_matches_an_in_process_window(live: LiveServer, default_engine:
         ids = [win.add_text(t) for t in DOCS]
         win.reorder([ids[2], ids[0], ids[1]])
         answer = win.generate(QUESTION, max_new_tokens=10)
-        streamed = list(win.generate(QUESTION, max_new_tokens=10, stream=True))
+        remote_stream = win.generate(QUESTION, max_new_tokens=10, stream=True)
+        assert (remote_stream.tokens, remote_stream.finish_reason) == (None, None)  # known at the end
+        streamed = list(remote_stream)
         lp_remote = torch.tensor(win.next_token_logprobs(QUESTION))
         prompt_ids = default_engine.prompt_ids(QUESTION)
         answer_from_ids = win.generate(prompt_ids, max_new_tokens=10)
@@ -106,6 +108,11 @@ def test_generate_matches_an_in_process_window(live: LiveServer, default_engine:
     expected = local.generate(QUESTION, max_new_tokens=10)
     assert answer == expected and answer_from_ids == expected
     assert len(streamed) > 1 and "".join(streamed) == expected
+    local_stream = local.generate(QUESTION, max_new_tokens=10, stream=True)
+    assert "".join(local_stream) == expected
+    # the same totals as the local TextStream: tokens decoded and why it ended
+    assert (remote_stream.tokens, remote_stream.finish_reason) == (local_stream.tokens, local_stream.finish_reason)
+    assert local_stream.tokens is not None and local_stream.finish_reason in ("stop", "length")
     lp_local = local.next_token_logprobs(QUESTION)
     assert lp_remote.shape == lp_local.shape
     assert torch.allclose(lp_remote, lp_local, atol=1e-5)
@@ -137,8 +144,10 @@ def test_async_client(live: LiveServer) -> None:
             await win.recall(a, at=0)
             assert await win.reorder([b, a]) == [b, a]
             answer = await win.generate(QUESTION, max_new_tokens=6)
-            pieces = [p async for p in await win.generate(QUESTION, max_new_tokens=6, stream=True)]
+            stream = await win.generate(QUESTION, max_new_tokens=6, stream=True)
+            pieces = [p async for p in stream]
             assert "".join(pieces) == answer
+            assert stream.finish_reason in ("stop", "length") and 0 < stream.tokens <= 6
             child = await win.fork()
             assert await child.slide(1) == [b]
             assert await child.chunks() == [a] and await win.chunks() == [b, a]

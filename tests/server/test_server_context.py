@@ -42,4 +42,5 @@ def test_requests_are_held_to_the_model_context() -> None:
         r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": used})
         assert r.status_code == 422 and r.json()["error"]["type"] == "ContextLengthError"
         assert c.get(f"/v1/sessions/{sid}").json()["tokens"] > 0  # the session is intact
-        assert c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": 2}).status_code == 200
+        r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": 2})
+        assert (r.status_code, r.json()["tokens"], r.json()["finish_reason"]) == (200, 2, "length")
