@@ -53,7 +53,7 @@ def _use(win: ContextWindow, question: str) -> tuple[torch.Tensor, str, float]:
 
 
 def reuse_policies(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
-    names = ("recompute", "blind", "cacheblend", "mpic", "kamera")
+    names = ("recompute", "prefix", "blind", "cacheblend", "mpic", "kamera")
     rows: dict[str, dict[str, list]] = {n: {"kl": [], "answer": [], "reuse": []} for n in names}
     for probe in track(probes, "reuse policies"):
         ref_lp = None
@@ -170,12 +170,10 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     err.print(f"[bold]compare[/] on {engine.name}: {len(probes)} probes")
     result: dict[str, Any] = {"model": engine.name}
     result["reuse"] = reuse_policies(engine, probes)
-    for name in ("blind", "cacheblend", "mpic", "kamera", "recompute"):
+    for name in ("prefix", "blind", "cacheblend", "mpic", "kamera", "recompute"):
         result[name] = result["reuse"][name]
-    result["matched_bytes"] = matched_bytes(
-        engine, probes[:2] if quick else probes[:6], (8, 16) if quick else (8, 16, 32)
-    )
-    result["compression"] = compression(engine, probes[:2] if quick else probes[:6])
+    result["matched_bytes"] = matched_bytes(engine, probes, (8, 16) if quick else (8, 16, 32))
+    result["compression"] = compression(engine, probes)  # the same probes as the reuse policies
     result["elastic"] = result["compression"]["elastic"]
     result["david"] = result["compression"]["david"]
     return result

@@ -70,8 +70,15 @@ def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Mean TTFT and mean KL per policy on the window trace, and TTFT per step by step kind."""
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = [p for p in ("recompute", "prefix", "blind", "kamera") if p in result]
-    colors = {"recompute": "#888", "prefix": "#aaa", "blind": "#c96", "kamera": "#369"}
+    names = [p for p in ("recompute", "prefix", "blind", "cacheblend", "mpic", "kamera") if p in result]
+    colors = {
+        "recompute": "#888",
+        "prefix": "#aaa",
+        "blind": "#c96",
+        "cacheblend": "#db8",
+        "mpic": "#6a6",
+        "kamera": "#369",
+    }
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1, 2, 1]})
     a1.bar(names, [result[p]["ttft_s_mean"] for p in names], color=[colors[p] for p in names])
     a1.set_ylabel("mean TTFT (s)")

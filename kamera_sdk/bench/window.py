@@ -25,7 +25,7 @@ from ..window import ContextWindow
 from .corpus import Page, Question, load_corpus
 from .metrics import kl, mean, timed
 
-POLICIES = ("recompute", "prefix", "blind", "kamera")
+POLICIES = ("recompute", "prefix", "blind", "cacheblend", "mpic", "kamera")
 #: Extra arms: a policy under a non-default config, reported next to the policies.
 ARMS: dict[str, tuple[str, WindowConfig]] = {
     # survivors re-conditioned on what remains (removal patch): where the default's drift comes from
