@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -98,17 +99,23 @@ def decode_tokens(
             after_step(cache, pos - next_position)
 
 
+#: Why an answer ended: EOS or a stop string, or ``max_new_tokens`` decoded.
+FinishReason = Literal["stop", "length"]
+
+
 class TextStream(Iterator[str]):
-    """The text pieces of an answer, as they are decoded (stop strings and EOS applied, see ``stream_text``).
+    """The text pieces of an answer as its tokens are decoded: it stops at EOS or a stop string (the stop
+    string is not emitted), and a piece is emitted only once it cannot be the start of a stop string and
+    holds no partial UTF-8 character.
 
     ``tokens``: tokens the model decoded so far, an ending EOS included (what usage counts; re-tokenising
     the text can give another number). ``finish_reason``: None while it runs, then ``"stop"`` (EOS or a
-    stop string) or ``"length"`` (``max_new_tokens`` decoded, or the context was full).
+    stop string) or ``"length"`` (``max_new_tokens`` decoded).
     """
 
     def __init__(self, tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> None:
         self.tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self._source = tokens
         self._pieces = self._run(tokenizer, params)
 
@@ -154,15 +161,6 @@ class TextStream(Iterator[str]):
         self.finish_reason = self.finish_reason or ("stop" if cut is not None else "length")
         if end > emitted:
             yield text[emitted:end]
-
-
-def stream_text(tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> TextStream:
-    """Turn a token stream into text pieces; stop at EOS or a stop string (the stop string is not emitted).
-
-    Pieces are emitted only once they cannot be the start of a stop string and contain no partial
-    UTF-8 character.
-    """
-    return TextStream(tokens, tokenizer, params)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

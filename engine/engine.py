@@ -20,7 +20,7 @@ from torch import nn
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
 from .attention import resolve_attention
-from .decode import SamplingParams, TextStream, decode_tokens, stream_text
+from .decode import SamplingParams, TextStream, decode_tokens
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
 from .fingerprint import engine_fingerprint
@@ -112,7 +112,7 @@ class Engine:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, dev)
         attention = resolve_attention(attn, dev)
         if model is None:
@@ -231,7 +231,9 @@ class Engine:
 
     def check_length(self, positions: int, *, new_tokens: int = 0) -> None:
         """Refuse ``positions`` tokens of context plus ``new_tokens`` to decode when together they exceed
-        ``context_length`` (``ContextLengthError``), before any work is done."""
+        ``context_length`` (``ContextLengthError``), before any work is done. Every decoded token counts,
+        the last one too, though it is never fed back: the rule OpenAI's API states (prompt + max_tokens
+        within the context)."""
         limit = self.context_length
         if limit is None or positions + new_tokens <= limit:
             return
@@ -315,12 +317,14 @@ class Engine:
 
     def generate_ids(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> Iterator[int]:
         """Token ids decoded after ``prompt_ids`` placed at ``start`` (greedy or sampled per ``params``)."""
+        params.validate()
         self.check_length(start + len(prompt_ids), new_tokens=params.max_new_tokens)
         res = self.forward(prompt_ids, past, start, logits="last")
         return self._decode(res.cache, res.logits[-1], start + len(prompt_ids), params)
 
     def continue_ids(self, prompt: Prefilled, params: SamplingParams) -> Iterator[int]:
         """Decode on from a prompt that was already prefilled (see ``ForwardResult.prefilled``)."""
+        params.validate()
         self.check_length(prompt.next_position, new_tokens=params.max_new_tokens)
         return self._decode(prompt.cache(self.model.config), prompt.logits, prompt.next_position, params)
 
@@ -341,7 +345,7 @@ class Engine:
             raise InvalidInputError("this engine has no tokenizer; use generate_ids")
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
-        return stream_text(token_ids, self.tokenizer, params)
+        return TextStream(token_ids, self.tokenizer, params)
 
 
 def _vision_engine_class(path: str | Path) -> type[Engine] | None:
@@ -355,6 +359,16 @@ def _vision_engine_class(path: str | Path) -> type[Engine] | None:
     from .vision import FAMILIES, VisionEngine
 
     return VisionEngine if model_type in FAMILIES else None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The device a load runs on: ``device`` as given (checked), else cuda when available, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"unknown device {device!r}: use cpu, cuda or cuda:<index>") from exc
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

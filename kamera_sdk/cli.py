@@ -65,8 +65,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import transformers
 
     from kamera_engine.attention import flash_attn_available, resolve_attention
+    from kamera_engine.engine import resolve_device
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
         "python": platform.python_version(),
@@ -75,12 +75,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
         "flash_attn_installed": flash_attn_available(),
         "threads": torch.get_num_threads(),
-        "device": str(device),  # what a load without --device picks, known even if the model fails to load
-        "attention": resolve_attention(None, device),
     }
     try:
+        device = resolve_device(args.device)  # known even if the model then fails to load
+        report["device"], report["attention"] = str(device), resolve_attention(None, device)
         engine = _engine(args)
-        report["model" if args.model else "default_model"] = engine.info().model_dump()
+        report["model"] = engine.info().model_dump()
+        report["default_model"] = args.model is None
         report["fingerprint"] = engine.fingerprint
         report["model_loads"] = True
     except Exception as exc:  # report, do not crash: this is the diagnostic command

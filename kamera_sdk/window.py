@@ -30,7 +30,7 @@ from kamera_engine import (
     SamplingParams,
     WindowOperationError,
 )
-from kamera_engine.decode import TextStream, stop_strings, stream_text
+from kamera_engine.decode import TextStream, stop_strings
 from kamera_engine.runner import Prefilled
 
 from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, StoredPatch, content_id
@@ -448,7 +448,7 @@ class ContextWindow:
             tokens = decode_compressed(self.engine, self.compress_window(ids), self.compressor, params)
             if self.engine.tokenizer is None:
                 raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
-            pieces = stream_text(tokens, self.engine.tokenizer, params)
+            pieces = TextStream(tokens, self.engine.tokenizer, params)
         else:
             pieces = self.engine.generate(execution.parts, ids, plan.end, params)
         self._count_prompt(ids, t0, own_forward=memo is None)

@@ -53,11 +53,17 @@ class ModelAdapter:
         """Refuse configurations the operator cannot serve exactly."""
 
     def context_length(self) -> int | None:
-        """Positions the model was trained to attend over (``max_position_embeddings`` of its text config;
-        RoPE-scaled configs state the extended length there), or None when the config does not say."""
+        """Positions the model attends over: ``max_position_embeddings`` of its text config, or the
+        length a RoPE scaling extends the original to (``factor`` x ``original_max_position_embeddings``,
+        which yarn configs often state only there), whichever is larger; None when the config says neither."""
         text = getattr(self.config, "text_config", None) or self.config
         value = getattr(text, "max_position_embeddings", None)
-        return int(value) if value else None
+        scaling = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+        scaling = scaling if isinstance(scaling, dict) else {}
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        extended = int(factor * original) if factor and original else None
+        known = [int(v) for v in (value, extended) if v]
+        return max(known) if known else None
 
     def max_context(self) -> int | None:
         """Longest window whose attention is position-independent of cache layout (sliding windows): the

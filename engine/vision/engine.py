@@ -107,10 +107,10 @@ class VisionEngine(Engine):
         from transformers import AutoModelForImageTextToText
 
         from ..attention import resolve_attention
-        from ..engine import _resolve_dtype
+        from ..engine import _resolve_dtype, resolve_device
         from .processors import load_processor
 
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, dev)
         attention = resolve_attention(attn, dev)
         processor = load_processor(str(model))

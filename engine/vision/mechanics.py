@@ -67,6 +67,7 @@ def measure(engine: VisionEngine, ranks: tuple[int, ...] = (4, 32)) -> dict[str,
     full = anchor + a_ids + b_ids
     limit = engine.context_length
     distances = [d for d in DISTANCES if limit is None or d + len(full) <= limit]  # references stay in context
+    out["distances"] = distances
     for d in distances:
         ref = engine.forward(anchor + b_ids, None, d, logits="none").kv.slice(len(anchor), len(anchor) + len(b_ids))
         placed = engine.apply(can_b, None, d + len(anchor), exact=True)

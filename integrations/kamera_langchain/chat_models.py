@@ -72,6 +72,8 @@ def chat_engine(base: Engine) -> tuple[Engine, ChatFormat]:
                 tok, attn = base.tokenizer, base.attention
                 derived = Engine(base.model, tok, name=base.name, anchor_ids=anchor, attention=attn)
             hit = _chat_engines[base] = (derived, fmt)
+        if hit[0] is not None:
+            hit[0].context_length = base.context_length  # a limit set on the base engine holds here too
         return (base if hit[0] is None else hit[0]), hit[1]
 
 
@@ -260,7 +262,12 @@ class ChatKamera(BaseChatModel):
         }
         # checked before the window is touched: a refused call leaves it as it was
         SamplingParams(**{**sampling, "stop": tuple(sampling["stop"] or ())}).validate()
-        return _Call(self._conversation(session), texts, engine.tokenize(fmt.generation), sampling, session)
+        conv, prompt = self._conversation(session), engine.tokenize(fmt.generation)
+        win = conv.window
+        if win.config.budget_tokens is None:  # the window will hold exactly these messages: fit them now
+            held = len(win.engine.anchor_ids) + sum(len(win.engine.tokenize(t)) for t in texts)
+            win.engine.check_length(held + len(prompt), new_tokens=sampling["max_new_tokens"])
+        return _Call(conv, texts, prompt, sampling, session)
 
     def _decode(self, call: _Call) -> Iterator[str]:
         """Bring the window to the message list, then stream the reply (the session is locked meanwhile)."""
@@ -275,7 +282,7 @@ class ChatKamera(BaseChatModel):
             yield from call.stream
             call.delta = stats_delta(before, win.stats())
 
-    def _finish(self, call: _Call, text: str) -> tuple[UsageMetadata, dict[str, Any]]:
+    def _finish(self, call: _Call) -> tuple[UsageMetadata, dict[str, Any]]:
         """Usage metadata and ``response_metadata`` of a finished call."""
         stream = call.stream
         output_tokens = stream.tokens if stream is not None else 0  # decoded, not the text re-tokenised
@@ -309,7 +316,7 @@ class ChatKamera(BaseChatModel):
     ) -> ChatResult:
         call = self._prepare(messages, stop, run_manager, kwargs)
         text = "".join(self._decode(call))
-        usage, meta = self._finish(call, text)
+        usage, meta = self._finish(call)
         message = AIMessage(content=text, usage_metadata=usage, response_metadata=meta)
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
@@ -322,14 +329,12 @@ class ChatKamera(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, run_manager, kwargs)
-        pieces: list[str] = []
         for piece in self._decode(call):
-            pieces.append(piece)
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        usage, meta = self._finish(call, "".join(pieces))
+        usage, meta = self._finish(call)
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         last = AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last")
         yield ChatGenerationChunk(message=last, generation_info=info)

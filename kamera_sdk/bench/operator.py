@@ -25,7 +25,7 @@ TARGETS = (None, 1000, 4000, 8000)  # None = the canonical's own place, right af
 LENGTHS = (256, 1024, 2048)
 
 
-def relocation_error(engine: Engine, ids: list[int]) -> dict[str, float]:
+def relocation_error(engine: Engine, ids: list[int]) -> dict[str, Any]:
     """Relocated keys vs keys rotated to the target by the model's own RoPE code (all layers, fp32),
     and the float32 drift of a real re-prefill at another position (values never move, so any value
     difference there is the forward pass's own rounding, not relocation)."""
@@ -34,6 +34,8 @@ def relocation_error(engine: Engine, ids: list[int]) -> dict[str, float]:
         can = engine.canonical(ids)
     a = len(engine.anchor_ids)
     worst, drift = 0.0, 0.0
+    limit = engine.context_length
+    drift_targets = []
     for t in TARGETS:
         target = a if t is None else t
         positions = torch.arange(target, target + len(ids))
@@ -41,9 +43,16 @@ def relocation_error(engine: Engine, ids: list[int]) -> dict[str, float]:
         for layer, k in enumerate(pre):
             ref = reference_rotate(engine.model, engine.adapter, k[..., -len(ids) :, :], positions)[0].transpose(0, 1)
             worst = max(worst, (placed.keys[layer] - ref).abs().max().item())
+        if limit is not None and target + len(ids) > limit:
+            continue  # relocation is exact anywhere; a re-prefill there would run past the model's context
         shifted = engine.forward(engine.anchor_ids + ids, None, target - a, logits="none").kv.slice(a, a + len(ids))
         drift = max(drift, (shifted.values - can.values).abs().max().item())
-    return {"relocation_max_abs_err": worst, "reprefill_drift_max_abs_err": drift}
+        drift_targets.append(target)
+    return {
+        "relocation_max_abs_err": worst,
+        "reprefill_drift_max_abs_err": drift,
+        "reprefill_drift_targets": drift_targets,
+    }
 
 
 class _ProbeRun:

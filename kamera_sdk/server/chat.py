@@ -113,8 +113,13 @@ class ChatStart:
     cached_tokens: int
 
 
+def _asked_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """The answer length the request names (``max_completion_tokens`` first), None when it leaves it open."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
 def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _asked_max_tokens(req)
     if max_tokens is None:
         max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_new_tokens)
     if max_tokens > limits.max_new_tokens:
@@ -131,10 +136,11 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
 
 
 def _fit_answer(engine: Engine, req: ChatCompletionRequest, params: SamplingParams, positions: int) -> None:
-    """An answer whose length the request left open ends where the model's context does (as OpenAI's);
-    a context the prompt alone fills, or an explicit ``max_tokens`` past it, is a ``ContextLengthError``."""
+    """Hold the answer to the model's context: an answer whose length the request left open is cut to the
+    room left (below the server's default); an explicit ``max_tokens`` that does not fit, or messages that
+    fill the context alone, are a ``ContextLengthError``."""
     limit = engine.context_length
-    if limit is not None and req.max_tokens is None and req.max_completion_tokens is None:
+    if limit is not None and _asked_max_tokens(req) is None:
         params.max_new_tokens = max(1, min(params.max_new_tokens, limit - positions))
     engine.check_length(positions, new_tokens=params.max_new_tokens)
 
@@ -149,14 +155,16 @@ def start_chat(
     items = [item for m in req.messages[:-1] for item in message_items(m, limits)]
     prompt = prompt_text(req.messages[-1])
     prompt_ids = engine.prompt_ids(prompt)
-    text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))
-    _fit_answer(engine, req, params, len(engine.anchor_ids) + text_tokens + len(prompt_ids))  # before the sync
+    anchor = len(engine.anchor_ids)
+    holds_all = win is None or win.config.budget_tokens is None  # no budget slides messages out in the sync
+    if holds_all and all(isinstance(i, str) for i in items):  # its size is known now: refuse before any change
+        _fit_answer(engine, req, params, anchor + sum(len(engine.tokenize(i)) for i in items) + len(prompt_ids))
     if win is None and items:
         win = ContextWindow(engine)
     if win is not None:
         before = win.stats()
         sync_window(win, items, limits)
-        _fit_answer(engine, req, params, len(engine.anchor_ids) + win.tokens + len(prompt_ids))  # images counted
+        _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))  # images and budgets counted
     if win is not None and len(win):
         pieces = win.generate(
             prompt,

@@ -132,10 +132,13 @@ def _checked(response: httpx.Response) -> Any:
     raise error_from_response(response.status_code, _json(response))
 
 
+FinishReason = Literal["stop", "length"]  # as kamera_engine.decode's (the client does not import torch)
+
+
 @dataclass(frozen=True, slots=True)
 class _Done:
     tokens: int | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 def _stream_event(event: Event) -> Any:
@@ -155,7 +158,7 @@ class _Answer:
 
     def __init__(self) -> None:
         self.tokens: int | None = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self._decoder = SSEDecoder()
         self._ended = False
 
@@ -175,6 +178,7 @@ class RemoteTextStream(_Answer, Iterator[str]):
 
     def __init__(self, response: httpx.Response) -> None:
         super().__init__()
+        self._response = response
         self._pieces = self._run(response)
 
     def __next__(self) -> str:
@@ -183,6 +187,7 @@ class RemoteTextStream(_Answer, Iterator[str]):
     def close(self) -> None:
         """Stop reading (the connection is closed; the server stops decoding)."""
         self._pieces.close()
+        self._response.close()  # a stream never read has not entered the generator's own cleanup
 
     def _run(self, response: httpx.Response) -> Iterator[str]:
         try:
@@ -205,6 +210,7 @@ class AsyncRemoteTextStream(_Answer, AsyncIterator[str]):
 
     def __init__(self, response: httpx.Response) -> None:
         super().__init__()
+        self._response = response
         self._pieces = self._run(response)
 
     async def __anext__(self) -> str:
@@ -213,6 +219,7 @@ class AsyncRemoteTextStream(_Answer, AsyncIterator[str]):
     async def aclose(self) -> None:
         """Stop reading (the connection is closed; the server stops decoding)."""
         await self._pieces.aclose()
+        await self._response.aclose()  # a stream never read has not entered the generator's own cleanup
 
     async def _run(self, response: httpx.Response) -> AsyncIterator[str]:
         try:

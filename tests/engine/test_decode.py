@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kamera_engine import Engine, InvalidInputError, SamplingParams
-from kamera_engine.decode import pick_token, stream_text
+from kamera_engine.decode import TextStream, pick_token
 
 
 class _CharTokenizer:
@@ -18,24 +18,24 @@ class _CharTokenizer:
 
 def test_stream_stops_at_stop_string_and_never_emits_it() -> None:
     params = SamplingParams(stop=("cd",))
-    pieces = list(stream_text(iter([0, 1, 2, 3, 4]), _CharTokenizer(), params))
+    pieces = list(TextStream(iter([0, 1, 2, 3, 4]), _CharTokenizer(), params))
     assert "".join(pieces) == "ab"
     assert all("c" not in p for p in pieces)
 
 
 def test_stream_holds_back_a_possible_stop_prefix_then_releases_it() -> None:
     params = SamplingParams(stop=("cx",))
-    assert "".join(stream_text(iter([0, 1, 2, 3]), _CharTokenizer(), params)) == "abcd"
+    assert "".join(TextStream(iter([0, 1, 2, 3]), _CharTokenizer(), params)) == "abcd"
 
 
 def test_stream_ends_at_eos() -> None:
     params = SamplingParams(eos_token_ids=(3,))
-    assert "".join(stream_text(iter([0, 1, 3, 4]), _CharTokenizer(), params)) == "ab"
+    assert "".join(TextStream(iter([0, 1, 3, 4]), _CharTokenizer(), params)) == "ab"
 
 
 def test_a_stream_counts_decoded_tokens_and_says_why_it_ended() -> None:
     def run(tokens: list[int], **kw) -> tuple[str, int, str | None]:
-        stream = stream_text(iter(tokens), _CharTokenizer(), SamplingParams(**kw))
+        stream = TextStream(iter(tokens), _CharTokenizer(), SamplingParams(**kw))
         assert (stream.tokens, stream.finish_reason) == (0, None)  # nothing decoded before it is read
         return "".join(stream), stream.tokens, stream.finish_reason
 
@@ -55,7 +55,7 @@ def test_closing_a_stream_closes_its_token_source() -> None:
         finally:
             closed.append(True)
 
-    stream = stream_text(source(), _CharTokenizer(), SamplingParams())
+    stream = TextStream(source(), _CharTokenizer(), SamplingParams())
     assert next(stream) == "a"
     stream.close()
     assert closed == [True] and stream.finish_reason is None
@@ -118,3 +118,13 @@ def test_greedy_and_seeded_sampling_on_a_tiny_model() -> None:
         engine.generate_ids(past, [5, 6, 7], len(ANCHOR), SamplingParams(max_new_tokens=8, temperature=1.0, seed=123))
     )
     assert run1 == run2
+
+
+def test_generate_checks_sampling_before_anything_else() -> None:
+    from tests.conftest import ANCHOR, tiny_engine
+
+    e = tiny_engine("llama")
+    for bad in (None, "4", 2.5):
+        with pytest.raises(InvalidInputError, match="max_new_tokens must be an int"):
+            e.generate_ids(e.anchor_kv, [5, 6], len(ANCHOR), SamplingParams(max_new_tokens=bad))  # type: ignore[arg-type]
+    assert e.counters.forwards == 1  # the anchor's own forward only: nothing ran for the refused calls

@@ -115,3 +115,15 @@ def test_bad_load_arguments_raise_clear_errors(tmp_path) -> None:
         Engine.load(str(tmp_path), attn="magic")
     with pytest.raises(ModelLoadError):
         Engine.load(str(tmp_path / "nothing-here"))
+
+
+@pytest.mark.slow
+def test_the_relocation_check_stays_inside_the_model_context(default_engine: Engine) -> None:
+    from kamera_sdk.bench.operator import relocation_error
+
+    ids = default_engine.tokenize("A short page about the harbour, its boats and the tides. " * 20)
+    assert default_engine.context_length == 8192 < 8000 + len(ids)
+    r = relocation_error(default_engine, ids)
+    # keys are relocated to 8000 too (exact anywhere); the re-prefill reference stops where the context does
+    assert r["reprefill_drift_targets"] == [len(default_engine.anchor_ids), 1000, 4000]
+    assert r["relocation_max_abs_err"] < 1e-4 and r["reprefill_drift_max_abs_err"] < 1e-2

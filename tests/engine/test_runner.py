@@ -109,3 +109,34 @@ def test_forward_refuses_bad_ids_and_logits_clearly() -> None:
         e.canonical([-1, 2])
     with pytest.raises(InvalidInputError, match="logits must be one of"):
         e.forward([1, 2], e.anchor_kv, len(ANCHOR), logits="bogus")
+
+
+def test_context_length_reads_the_config_and_its_rope_scaling() -> None:
+    import transformers as T
+
+    from kamera_engine import ContextLengthError, Engine
+
+    def engine(**kw: object) -> Engine:
+        torch.manual_seed(0)
+        cfg = T.LlamaConfig(num_key_value_heads=2, **{**TINY_COMMON, **kw})
+        model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+        return Engine(model, None, anchor_ids=ANCHOR)
+
+    assert engine(max_position_embeddings=512).context_length == 512
+    # yarn stating only the original length: factor x original, as the scaling extends it
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "rope_theta": 1e4}
+    e = engine(max_position_embeddings=512, rope_parameters=yarn)
+    assert e.context_length == 2048
+    e.forward(random_ids(2048, seed=1), None, 0, logits="none")  # the whole extended context is served
+    with pytest.raises(ContextLengthError, match="2049 tokens exceed the model's context length of 2048"):
+        e.forward(random_ids(2049, seed=1), None, 0, logits="none")
+    # llama3 configs state the extended length themselves (here larger than factor x original)
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "rope_theta": 1e4,
+    }
+    assert engine(max_position_embeddings=8192, rope_parameters=llama3).context_length == 8192

@@ -12,7 +12,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from kamera_engine.default_model import ensure_converted
 from kamera_langchain import ChatFormat, ChatKamera, ImageInputError
 from kamera_langchain._messages import message_text
-from kamera_sdk import Engine, InvalidInputError, KameraError
+from kamera_sdk import ContextLengthError, Engine, InvalidInputError, KameraError
 from tests.conftest import tiny_chat_engine
 
 
@@ -185,8 +185,9 @@ def test_usage_metadata_and_stream_agree(tiny: Engine) -> None:
     win = llm.window()
     prompt = len(tiny.tokenize("<|im_start|>assistant\n"))
     assert usage["input_tokens"] == len(win.engine.anchor_ids) + win.tokens + prompt
-    assert 0 < usage["output_tokens"] <= 3 + 1  # re-tokenised text may differ by a token
-    assert reply.response_metadata["finish_reason"] in ("stop", "length")
+    finish = reply.response_metadata["finish_reason"]
+    assert finish in ("stop", "length")
+    assert usage["output_tokens"] == 3 if finish == "length" else 0 < usage["output_tokens"] <= 3  # decoded
     assert reply.response_metadata["kamera"]["tokens_prefilled"] == win.tokens  # recompute: all of it
 
     chunks = list(llm.stream(history, session_id="fresh"))  # same work on a new window
@@ -213,6 +214,23 @@ def test_bad_arguments(tiny: Engine) -> None:
         llm.invoke([HumanMessage("another history")], temperature=-1.0)
     assert (llm.window().chunks, llm.window().evicted) == before
     assert llm.invoke([SYS, HumanMessage("first")], max_tokens=None).content is not None  # None: the default
+
+
+def test_a_conversation_past_the_model_context_is_refused_before_the_window_changes() -> None:
+    engine = tiny_chat_engine()
+    llm = ChatKamera(engine=engine, max_tokens=4)
+    llm.invoke([SYS, HumanMessage("first")])
+    win = llm.window()
+    before = (win.chunks, win.evicted, win.stats().forwards)
+    held = len(win.engine.anchor_ids) + win.tokens + len(engine.tokenize("<|im_start|>assistant\n"))
+    engine.context_length = held + 2  # this conversation and a two-token answer, exactly
+    with pytest.raises(ContextLengthError, match="context length"):
+        llm.invoke([SYS, HumanMessage("first"), AIMessage("ok"), HumanMessage("word " * 60)])
+    assert (win.chunks, win.evicted, win.stats().forwards) == before
+    with pytest.raises(ContextLengthError, match=rf"{held} tokens \+ 4 to generate"):  # the answer counts too
+        llm.invoke([SYS, HumanMessage("first")])
+    assert (win.chunks, win.evicted, win.stats().forwards) == before
+    assert llm.invoke([SYS, HumanMessage("first")], max_tokens=2).usage_metadata["output_tokens"] == 2
 
 
 def test_cache_read_counts_only_what_no_forward_computed(tiny: Engine) -> None:

@@ -13,24 +13,24 @@ from kamera_sdk.cli import build_parser, main
 def test_doctor_json_reports_the_default_model(capsys) -> None:
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model_loads"] is True
-    assert report["default_model"]["num_layers"] == 30
+    assert report["model_loads"] is True and report["default_model"] is True
+    assert report["model"]["num_layers"] == 30
     assert report["torch"].startswith("2.")
-    assert (
-        (report["device"], report["attention"])
-        == ("cpu", "sdpa")
-        == (
-            report["default_model"]["device"],
-            report["default_model"]["attention"],
-        )
-    )
+    assert (report["device"], report["attention"]) == (report["model"]["device"], report["model"]["attention"])
 
 
 def test_doctor_reports_device_and_attention_when_the_model_does_not_load(capsys, tmp_path) -> None:
+    from kamera_engine.attention import resolve_attention
+    from kamera_engine.engine import resolve_device
+
     assert main(["doctor", "--json", "--model", str(tmp_path / "missing")]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["model_loads"] is False and "missing" in report["error"]
-    assert (report["device"], report["attention"]) == ("cpu", "sdpa")
+    device = resolve_device(None)
+    assert (report["device"], report["attention"]) == (str(device), resolve_attention(None, device))
+    assert main(["doctor", "--json", "--device", "bogus"]) == 1  # a report, not a traceback
+    report = json.loads(capsys.readouterr().out)
+    assert report["error"].startswith("InvalidInputError: unknown device 'bogus'") and "device" not in report
 
 
 def test_unknown_bench_is_a_clear_error(capsys) -> None:

@@ -108,6 +108,11 @@ def test_generate_matches_an_in_process_window(live: LiveServer, default_engine:
     expected = local.generate(QUESTION, max_new_tokens=10)
     assert answer == expected and answer_from_ids == expected
     assert len(streamed) > 1 and "".join(streamed) == expected
+    with remote(live) as unread:
+        unread.add_text(DOCS[0])
+        closed = unread.generate(QUESTION, max_new_tokens=4, stream=True)
+        closed.close()  # closed before its first piece: the connection goes too
+        assert closed._response.is_closed
     local_stream = local.generate(QUESTION, max_new_tokens=10, stream=True)
     assert "".join(local_stream) == expected
     # the same totals as the local TextStream: tokens decoded and why it ended
@@ -148,6 +153,9 @@ def test_async_client(live: LiveServer) -> None:
             pieces = [p async for p in stream]
             assert "".join(pieces) == answer
             assert stream.finish_reason in ("stop", "length") and 0 < stream.tokens <= 6
+            unread = await win.generate(QUESTION, max_new_tokens=6, stream=True)
+            await unread.aclose()  # closed before its first piece: the connection goes too
+            assert unread._response.is_closed
             child = await win.fork()
             assert await child.slide(1) == [b]
             assert await child.chunks() == [a] and await win.chunks() == [b, a]

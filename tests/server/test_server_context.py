@@ -34,13 +34,31 @@ def test_requests_are_held_to_the_model_context() -> None:
         longer = [*history, {"role": "user", "content": "More. " * 40}, {"role": "user", "content": "Q?"}]
         r = c.post("/v1/chat/completions", json={"messages": longer, "user": "u"})
         assert r.status_code == 422 and r.json()["error"]["type"] == "ContextLengthError"
+        chat_sid = c.post("/v1/sessions").json()["id"]
+        c.post("/v1/chat/completions", json={"messages": messages, "session": chat_sid, "max_tokens": 1})
+        state = c.get(f"/v1/sessions/{chat_sid}").json()
+        r = c.post("/v1/chat/completions", json={"messages": longer, "session": chat_sid})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "ContextLengthError"
+        assert c.get(f"/v1/sessions/{chat_sid}").json() == state  # refused before the sync: nothing changed
         r = c.post("/v1/chat/completions", json={"messages": messages, "user": "u", "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
         sid = c.post("/v1/sessions").json()["id"]
         c.post(f"/v1/sessions/{sid}/chunks", json={"text": "The sky is blue. " * 8})
+        state = c.get(f"/v1/sessions/{sid}").json()
         r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": used})
         assert r.status_code == 422 and r.json()["error"]["type"] == "ContextLengthError"
-        assert c.get(f"/v1/sessions/{sid}").json()["tokens"] > 0  # the session is intact
+        assert c.get(f"/v1/sessions/{sid}").json() == state  # the session is intact
         r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": 2})
         assert (r.status_code, r.json()["tokens"], r.json()["finish_reason"]) == (200, 2, "length")
+
+        # a session with a token budget: the sync slides the history out, so what the window will hold is
+        # known only then, and a request that fits once the budget has acted is served
+        long_tokens = len(engine.tokenize("user: " + "More. " * 40))
+        budget_sid = c.post("/v1/sessions", json={"budget_tokens": long_tokens}).json()["id"]
+        served = len(engine.anchor_ids) + long_tokens + len(engine.prompt_ids("Q?"))
+        engine.context_length = served + 2
+        r = c.post("/v1/chat/completions", json={"messages": longer, "session": budget_sid, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == served
+        assert c.get(f"/v1/sessions/{budget_sid}").json()["tokens"] == long_tokens
