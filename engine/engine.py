@@ -246,8 +246,10 @@ class Engine:
 
     def check_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
         """Refuse token ids outside the vocabulary (``InvalidInputError`` naming a few of them)."""
-        values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-        bad = [t for t in values if not 0 <= t < self.vocab_size]
+        if isinstance(ids, torch.Tensor):  # a forward's input: one vectorised test, no Python loop
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)].tolist()
+        else:  # Python ints, so an id too large for a tensor is still a clear error
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidInputError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
 

@@ -70,7 +70,7 @@ def processor_digest(processor: Any) -> str:
     for name in ("image_processor", "video_processor"):
         sub = getattr(processor, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            parts[name] = {k: v for k, v in sorted(sub.to_dict().items()) if k not in _VOLATILE_KEYS}
+            parts[name] = config_digest(sub)
     data = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 

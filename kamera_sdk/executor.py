@@ -11,6 +11,7 @@ is a rotation plus at most one rank-m GEMM.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -20,7 +21,7 @@ from kamera_engine import KV, Engine
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
 
-from .chunks import Chunk, ChunkId, ChunkTable, StoredPatch
+from .chunks import Antecedent, Chunk, ChunkId, ChunkTable, StoredPatch
 from .config import WindowConfig
 from .graph import DependencyGraph
 from .persistence import Persistence
@@ -261,24 +262,38 @@ class Executor:
         if pending.stored is not None:
             return pending.stored
         t0 = time.perf_counter()
-        canonical = self.canonical(chunk)
-        layers = self.config.patch_layer_indices(self.engine)
+        stored = self.store_patch(chunk, conditioned, pending.kind, pending.antecedent, absorbed=pending.absorbed)
+        pending.stored = stored
+        self.stats.patches_formed += 1
+        self.stats.fresh_patches_formed += pending.kind == "fresh"
+        self.stats.time("patch_form", time.perf_counter() - t0)
+        return stored
+
+    def store_patch(
+        self,
+        chunk: Chunk,
+        conditioned: KV | Sequence[KV],
+        kind: str,
+        antecedent: Antecedent,
+        *,
+        absorbed: frozenset[ChunkId] | None = None,
+    ) -> StoredPatch:
+        """Form ``chunk``'s patch as the config says (rank of ``kind``, layers, dtype) from its conditioned
+        KV (several: their mean, an orbit), add it to the table and the store, and count its bytes."""
+        cfg = self.config
         patch = self.engine.form_patch(
             conditioned,
-            canonical,
-            self.config.patch_rank(pending.kind),
-            layers=layers,
-            dtype=self.config.torch_patch_dtype(),
+            self.canonical(chunk),
+            cfg.patch_rank(kind),
+            layers=cfg.patch_layer_indices(self.engine),
+            dtype=cfg.torch_patch_dtype(),
         )
-        stored = StoredPatch(patch, pending.antecedent, kind=pending.kind, absorbed=pending.absorbed)
-        pending.stored = stored
+        orderings = 1 if isinstance(conditioned, KV) else len(conditioned)
+        stored = StoredPatch(patch, antecedent, kind=kind, orderings=orderings, absorbed=absorbed)
         self.table.add_patch(chunk, stored)
         if self.persistence is not None:
             self.persistence.save_patch(chunk, stored)
-        self.stats.patches_formed += 1
-        self.stats.fresh_patches_formed += pending.kind == "fresh"
         self.stats.patch_bytes += patch.nbytes
-        self.stats.time("patch_form", time.perf_counter() - t0)
         return stored
 
     @staticmethod

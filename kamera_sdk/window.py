@@ -14,7 +14,7 @@ import math
 import operator
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal, overload
@@ -116,11 +116,7 @@ class ContextWindow:
         self._graph = DependencyGraph()
         self._stats = WindowStats(policy=self.policy.name)
         self._step = 0
-        self._cache: tuple[Plan, Execution] | None = None  # the last plan and its execution; any change drops it
-        # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward; every window
-        # change drops it (``_changed``), so it always belongs to the window as it is
-        self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
-        self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}  # greedy answers (is_disposable)
+        self._forget_uses()
         self._pins_released = False  # close() hands the pins back
         self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
         self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
@@ -190,10 +186,17 @@ class ContextWindow:
         return snap
 
     # --- adding content ------------------------------------------------------------------------
-    def add_text(self, text: str) -> ChunkId:
-        """Append a text chunk; returns its content id. Known content is not recomputed."""
+    def add_text(self, text: str, *, copy: int = 0) -> ChunkId:
+        """Append a text chunk; returns its content id. Known content is not recomputed. The window is a
+        set: the same text is one chunk, unless it is a ``copy`` (1, 2, ...) of it, a chunk of its own
+        with the same tokens (kind ``text#<copy>``), as a message repeated in a conversation is."""
         if not isinstance(text, str) or not text.strip():
             raise InvalidInputError("add_text needs a non-empty string")
+        k = _as_index(copy)
+        if k is None or k < 0:
+            raise InvalidInputError(f"copy must be an int >= 0, got {copy!r}")
+        if k:
+            return self.add(self.engine.tokenize(text), kind=f"text#{k}", text=text)
         cid = content_id("text", text.encode())
         if cid in self._table:
             return self._append_known(cid)
@@ -354,9 +357,7 @@ class ContextWindow:
         child._graph = self._graph.copy()
         child._stats = WindowStats(policy=self.policy.name)
         child._step = self._step
-        child._cache = None
-        child._prompt_memo = None
-        child._answers = {}
+        child._forget_uses()
         child._pins_released = False
         for cid in child.chunks:
             child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
@@ -439,18 +440,16 @@ class ContextWindow:
         params.validate()
         ids = self._prompt_ids(prompt)
         self._check_length(ids, max_new_tokens)
+        if self.engine.tokenizer is None:
+            raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
         plan, execution = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
-        if memo is not None:
-            pieces = self.engine.stream(self.engine.continue_ids(memo, params), params)
-        elif self.compressor is not None:
+        if self.compressor is not None:
             tokens = decode_compressed(self.engine, self.compress_window(ids), self.compressor, params)
-            if self.engine.tokenizer is None:
-                raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
-            pieces = TextStream(tokens, self.engine.tokenizer, params)
         else:
-            pieces = self.engine.generate(execution.parts, ids, plan.end, params)
+            tokens = self._answer_ids(ids, plan, execution, memo, params)
+        pieces = self.engine.stream(tokens, params)
         self._count_prompt(ids, t0, own_forward=memo is None)
         return pieces if stream else "".join(pieces)
 
@@ -492,11 +491,7 @@ class ContextWindow:
         if key not in self._answers:
             t0 = time.perf_counter()
             memo = self._prefilled(ids)
-            if memo is not None:
-                decoded = self.engine.continue_ids(memo, params)
-            else:
-                decoded = self.engine.generate_ids(execution.parts, ids, plan.end, params)
-            self._answers[key] = list(decoded)
+            self._answers[key] = list(self._answer_ids(ids, plan, execution, memo, params))
             self._count_prompt(ids, t0, own_forward=memo is None)
         parts = [self.engine.anchor_kv]
         pos = plan.anchor_len
@@ -526,6 +521,15 @@ class ContextWindow:
             answer_without=text[1],
         )
 
+    def _answer_ids(
+        self, ids: list[int], plan: Plan, execution: Execution, memo: Prefilled | None, params: SamplingParams
+    ) -> Iterator[int]:
+        """The answer's token ids: decoded on from the prompt's kept prefill when it rode in the window's
+        forward (``memo``), else after prefilling the prompt over the assembled window."""
+        if memo is not None:
+            return self.engine.continue_ids(memo, params)
+        return self.engine.generate_ids(execution.parts, ids, plan.end, params)
+
     def _decode(self, token_ids: list[int]) -> str:
         tok = self.engine.tokenizer
         return tok.decode(token_ids, skip_special_tokens=True) if tok is not None else str(token_ids)
@@ -548,16 +552,8 @@ class ContextWindow:
             self._stats.forwards += 1
             self._stats.tokens_prefilled += len(ids)
             conditioned.append(res.kv.slice(len(ids) - len(chunk), len(ids)))
-        canonical = self._executor.canonical(chunk)
-        cfg = self.config
-        layers = cfg.patch_layer_indices(self.engine)
-        patch = self.engine.form_patch(conditioned, canonical, cfg.rank, layers=layers, dtype=cfg.torch_patch_dtype())
-        stored = StoredPatch(patch, tuple(preds), kind="orbit", orderings=len(orderings))
-        self._table.add_patch(chunk, stored)
-        if self._persistence is not None:
-            self._persistence.save_patch(chunk, stored)
+        stored = self._executor.store_patch(chunk, conditioned, "orbit", tuple(preds))
         self._stats.orbit_patches_formed += 1
-        self._stats.patch_bytes += patch.nbytes
         self._stats.time("orbit_patch", time.perf_counter() - t0)
         return stored
 
@@ -686,11 +682,17 @@ class ContextWindow:
         self._stats.prompt_tokens += len(ids)
         self._stats.time("prompt", time.perf_counter() - t0)
 
+    def _forget_uses(self) -> None:
+        """Drop what a use of the window as it was left behind (a change, a new branch): they would not
+        belong to the window as it is."""
+        self._cache: tuple[Plan, Execution] | None = None  # the last plan and its execution
+        # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward
+        self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
+        self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}  # greedy answers (is_disposable)
+
     def _changed(self, op: str, t0: float | None = None) -> None:
         self._step += 1
-        self._cache = None  # plan, assembled window and kept prefill belong to the window as it was: free them
-        self._prompt_memo = None
-        self._answers = {}
+        self._forget_uses()
         self._form_orphans(raise_errors=False)  # off the answer's path: patches whose slot was served otherwise
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)

@@ -30,6 +30,9 @@ class ModelAdapter:
     keys_normalised: ClassVar[bool] = False
     #: Keyword a decoder layer takes its cache under (used when layers are driven one by one).
     layer_cache_kwarg: ClassVar[str] = "past_key_values"
+    #: A config's ``sliding_window`` applies unless it says ``use_sliding_window=False`` (VLM text
+    #: configs carry a window they do not use unless told to).
+    sliding_by_default: ClassVar[bool] = True
 
     def __init__(self, config: Any, name: str | None = None) -> None:
         self.config = config
@@ -68,8 +71,9 @@ class ModelAdapter:
     def max_context(self) -> int | None:
         """Longest window whose attention is position-independent of cache layout (sliding windows): the
         window less one, since a sliding cache layer keeps only the last ``sliding_window - 1`` tokens."""
-        window = getattr(self.config, "sliding_window", None)
-        if window and getattr(self.config, "use_sliding_window", True):
+        text = getattr(self.config, "text_config", None) or self.config
+        window = getattr(text, "sliding_window", None)
+        if window and getattr(text, "use_sliding_window", self.sliding_by_default):
             return int(window) - 1
         return None
 

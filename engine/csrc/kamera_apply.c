@@ -88,12 +88,15 @@ static inline void put16(float *p, v16 x, int stream) {
  * features, a layer's last rows). */
 static void add_rows(float *restrict out, const float *restrict src, const float *restrict u,
                      const float *restrict vt, int64_t F, int64_t m, int64_t n, int64_t f0) {
-    for (int64_t b = 0; b < n; b++)
-        for (int64_t f = f0; f < F; f++) {
-            float x = src[b * F + f];
-            for (int64_t k = 0; k < m; k++) x += u[b * m + k] * vt[k * F + f];
-            out[b * F + f] = x;
+    for (int64_t b = 0; b < n; b++) {
+        float *restrict row = out + b * F;
+        for (int64_t f = f0; f < F; f++) row[f] = src[b * F + f];
+        for (int64_t k = 0; k < m; k++) { /* k outside, contiguous features inside: the loop vectorises */
+            const float a = u[b * m + k];
+            const float *restrict v = vt + k * F;
+            for (int64_t f = f0; f < F; f++) row[f] += a * v[f];
         }
+    }
 }
 
 /* out[BLOCK][F] = src[BLOCK][F] + u[BLOCK][m] @ vt[m][F]: 64 features x BLOCK rows of accumulators stay

@@ -143,15 +143,10 @@ class VisionFamily:
 class VisionAdapter(ModelAdapter):
     """Adapter for a VLM: the decoder is the language model inside the multimodal wrapper."""
 
+    sliding_by_default = False
+
     def decoder(self, model: nn.Module) -> nn.Module:
         return model.model.language_model
-
-    def max_context(self) -> int | None:
-        text = getattr(self.config, "text_config", self.config)
-        window = getattr(text, "sliding_window", None)
-        if window and getattr(text, "use_sliding_window", False):
-            return int(window) - 1  # a sliding cache layer keeps the last window - 1 tokens (see the base)
-        return None
 
 
 FAMILIES: dict[str, type[VisionFamily]] = {}

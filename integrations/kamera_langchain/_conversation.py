@@ -100,11 +100,7 @@ class Conversation:
 
     def _add(self, key: tuple[str, int]) -> ChunkId:
         text, occurrence = key
-        if occurrence == 0:
-            return self.window.add_text(text)
-        # The window is a set keyed by content; a repeated message is a distinct chunk with the same tokens.
-        ids = self.window.engine.tokenize(text)
-        return self.window.add(ids, kind=f"text#{occurrence}", text=text)
+        return self.window.add_text(text, copy=occurrence)  # a repeated message is a chunk of its own
 
 
 def _keys(texts: Sequence[str]) -> list[tuple[str, int]]:

@@ -89,13 +89,14 @@ def matched_bytes(engine: Engine, probes: list[Probe], ranks: tuple[int, ...] = 
     """
     feat = engine.num_kv_heads * engine.key_dim
     out: dict[str, Any] = {"feature_dim": feat}
+    refs = []  # per probe, whatever the rank: re-prefill's log-probs and the reused chunks' mean length
+    for probe in probes:
+        lengths = [len(engine.tokenize(c + "\n\n")) for c in probe.chunks[1:]]
+        refs.append((_use(_window(engine, "recompute", probe), probe.question)[0], sum(lengths) / len(lengths)))
     for rank in track(ranks, "matched byte budgets"):
         arms: dict[str, list[float]] = {"blind": [], "kamera": [], "cacheblend": [], "mpic": []}
         fractions = []
-        for probe in probes:
-            ref_lp, _, _ = _use(_window(engine, "recompute", probe), probe.question)
-            lengths = [len(engine.tokenize(c + "\n\n")) for c in probe.chunks[1:]]
-            t_mean = sum(lengths) / len(lengths)
+        for probe, (ref_lp, t_mean) in zip(probes, refs, strict=True):
             k_tokens = round(rank * (t_mean + feat) / feat)
             fractions.append(min(1.0, k_tokens / t_mean))
             policies = {
@@ -115,27 +116,29 @@ def matched_bytes(engine: Engine, probes: list[Probe], ranks: tuple[int, ...] = 
     return out
 
 
+def _full_cache(engine: Engine, probe: Probe) -> tuple[Any, list[int], list[int], list[int], list[torch.Tensor]]:
+    """A probe's window with its full cache: the assembled KV, the window's and the prompt's ids, the
+    full cache's greedy answer and its next-token log-probs along that answer (the reference)."""
+    win = ContextWindow(engine, policy="recompute")
+    for c in probe.chunks:
+        win.add_text(c + "\n\n")
+    past = win.assemble()
+    window_ids = list(engine.anchor_ids) + [t for cid in win.chunks for t in win.chunk(cid).token_ids]
+    prompt = engine.prompt_ids(probe.question)
+    full_tokens = list(engine.generate_ids(past, prompt, len(past), SamplingParams(max_new_tokens=ANSWER_TOKENS)))
+    ref = [engine.next_token_logprobs(past, prompt + full_tokens[:i], len(past)) for i in range(len(full_tokens))]
+    return past, window_ids, prompt, full_tokens, ref
+
+
 def compression(engine: Engine, probes: list[Probe], budgets: tuple[float, ...] = (0.2, 0.5)) -> dict[str, Any]:
     out: dict[str, Any] = {"david_reduces_to_snapkv": True, "note": "text-only windows: DAVID is SnapKV"}
     gen_tokens = 24
+    full = [_full_cache(engine, probe) for probe in track(probes, "full caches")]  # the same for every policy
     for name in ("elastic", "david"):
         for budget in budgets:
             policy = make_compressor(name, budget)
             kls, fractions, tps_c, tps_f = [], [], [], []
-            for probe in track(probes, f"{name} @ {budget}"):
-                win = ContextWindow(engine, policy="recompute")
-                for c in probe.chunks:
-                    win.add_text(c + "\n\n")
-                past = win.assemble()
-                window_ids = list(engine.anchor_ids) + [t for cid in win.chunks for t in win.chunk(cid).token_ids]
-                prompt = engine.prompt_ids(probe.question)
-                full_tokens = list(
-                    engine.generate_ids(past, prompt, len(past), SamplingParams(max_new_tokens=ANSWER_TOKENS))
-                )
-                ref = [
-                    engine.next_token_logprobs(past, prompt + full_tokens[:i], len(past))
-                    for i in range(len(full_tokens))
-                ]
+            for past, window_ids, prompt, full_tokens, ref in track(full, f"{name} @ {budget}"):
                 c = prefill_compressed(engine, past, window_ids, prompt, policy)
                 got = score_continuation(engine, c, policy, full_tokens)
                 kls.append(mean([kl(a, b) for a, b in zip(ref, got, strict=True)]))

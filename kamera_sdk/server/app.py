@@ -325,7 +325,7 @@ def create_app(
             )
         text = [first] if first is not None else []
         text += await _collect(request, worker.iterate(pieces))
-        return GenerateResult(text="".join(text), tokens=pieces.tokens, finish_reason=pieces.finish_reason or "stop")
+        return GenerateResult(text="".join(text), tokens=pieces.tokens, finish_reason=_finish(pieces))
 
     # --- OpenAI-compatible -----------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
@@ -353,7 +353,7 @@ def create_app(
             id=cid,
             created=created,
             model=model,
-            choices=[ChatChoice(message=ChatCompletionMessage(content=text), finish_reason=_finish(start))],
+            choices=[ChatChoice(message=ChatCompletionMessage(content=text), finish_reason=_finish(start.pieces))],
             usage=usage,
         )
 
@@ -381,8 +381,8 @@ def _usage(start: chat_ops.ChatStart) -> Usage:
     )
 
 
-def _finish(start: chat_ops.ChatStart) -> Any:
-    return start.pieces.finish_reason or "stop"  # None only if decoding was cut short
+def _finish(pieces: TextStream) -> Any:
+    return pieces.finish_reason or "stop"  # None only if decoding was cut short
 
 
 async def _sse_generate(worker: ModelWorker, pieces: TextStream, first: str | None) -> AsyncIterator[bytes]:
@@ -396,7 +396,7 @@ async def _sse_generate(worker: ModelWorker, pieces: TextStream, first: str | No
         async for piece in worker.iterate(pieces):
             text.append(piece)
             yield encode_event({"text": piece}, "token")
-        done = {"text": "".join(text), "tokens": pieces.tokens, "finish_reason": pieces.finish_reason or "stop"}
+        done = {"text": "".join(text), "tokens": pieces.tokens, "finish_reason": _finish(pieces)}
         yield encode_event(done, "done")
     except Exception as exc:  # headers are sent: report in-band
         yield encode_event(exception_body(exc), "error")
@@ -418,17 +418,14 @@ async def _sse_chat(
         )
         return encode_event(c.model_dump(mode="json", exclude_none=True))
 
-    text: list[str] = []
     try:
         yield chunk(ChunkDelta(role="assistant", content=""))
         if start.first is not None:
-            text.append(start.first)
             yield chunk(ChunkDelta(content=start.first))
         async for piece in worker.iterate(start.pieces):
-            text.append(piece)
             yield chunk(ChunkDelta(content=piece))
         usage = _usage(start)
-        yield chunk(ChunkDelta(), _finish(start))
+        yield chunk(ChunkDelta(), _finish(start.pieces))
         if include_usage:
             tail = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
             yield encode_event(tail.model_dump(mode="json", exclude_none=True))

@@ -80,18 +80,16 @@ def _data_url_bytes(url: str, limits: Limits) -> bytes:
         raise InvalidInputError(f"bad image data: {exc}") from exc
 
 
-def sync_window(win: ContextWindow, items: list[Item], limits: Limits) -> None:
-    """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has."""
-    engine = win.engine
-    texts = [i for i in items if isinstance(i, str)]
-    check_tokens(win, sum(len(engine.tokenize(t)) for t in texts) - win.tokens, limits)
+def sync_window(win: ContextWindow, items: list[Item], text_tokens: int, limits: Limits) -> None:
+    """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
+    (``text_tokens``: the tokens of its text items, counted by the caller)."""
+    check_tokens(win, text_tokens - win.tokens, limits)
     ids: list[str] = []
     seen: dict[str, int] = {}
     for item in items:
         if isinstance(item, str):
             k = seen[item] = seen.get(item, -1) + 1
-            # a repeated message is a message again (its k-th copy is a chunk of its own kind)
-            cid = str(win.add_text(item)) if k == 0 else win.add(engine.tokenize(item), kind=f"text#{k}", text=item)
+            cid = str(win.add_text(item, copy=k))  # a repeated message is a message again
         else:
             cid = add_image(win, item)
         if cid not in ids:  # the same picture twice is one chunk
@@ -156,15 +154,18 @@ def start_chat(
     prompt = prompt_text(req.messages[-1])
     prompt_ids = engine.prompt_ids(prompt)
     anchor = len(engine.anchor_ids)
+    text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))
     holds_all = win is None or win.config.budget_tokens is None  # no budget slides messages out in the sync
-    if holds_all and all(isinstance(i, str) for i in items):  # its size is known now: refuse before any change
-        _fit_answer(engine, req, params, anchor + sum(len(engine.tokenize(i)) for i in items) + len(prompt_ids))
+    known = holds_all and all(isinstance(i, str) for i in items)  # the synced size is known now
+    if known:  # refuse before any change
+        _fit_answer(engine, req, params, anchor + text_tokens + len(prompt_ids))
     if win is None and items:
         win = ContextWindow(engine)
     if win is not None:
         before = win.stats()
-        sync_window(win, items, limits)
-        _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))  # images and budgets counted
+        sync_window(win, items, text_tokens, limits)
+        if not known:  # images and budgets counted
+            _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))
     if win is not None and len(win):
         pieces = win.generate(
             prompt,
@@ -179,12 +180,11 @@ def start_chat(
         computed = (
             after.tokens_prefilled - before.tokens_prefilled + after.ingest_tokens - before.ingest_tokens
         ) + len(prompt_ids)
-        context = len(engine.anchor_ids) + win.tokens
+        context = anchor + win.tokens
     else:  # no earlier messages: the prompt sits right behind the chat anchor
-        params.validate()
-        pieces = engine.generate(engine.anchor_kv, prompt_ids, len(engine.anchor_ids), params)
+        pieces = engine.generate(engine.anchor_kv, prompt_ids, anchor, params)
         computed = len(prompt_ids)
-        context = len(engine.anchor_ids)
+        context = anchor
     total = context + len(prompt_ids)
     first = next(pieces, None)
     return ChatStart(pieces, first, total, max(0, total - computed))

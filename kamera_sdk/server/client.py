@@ -30,7 +30,7 @@ import httpx
 from ..stats import WindowStats
 from .errors import RemoteError, error_from_response
 from .schemas import ChunkAdded, LogprobsResult, SessionCreated, SlideResult, TopToken, WindowState
-from .sse import Event, SSEDecoder
+from .sse import SSEDecoder
 
 T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8765"
@@ -135,24 +135,6 @@ def _checked(response: httpx.Response) -> Any:
 FinishReason = Literal["stop", "length"]  # as kamera_engine.decode's (the client does not import torch)
 
 
-@dataclass(frozen=True, slots=True)
-class _Done:
-    tokens: int | None
-    finish_reason: FinishReason | None
-
-
-def _stream_event(event: Event) -> Any:
-    """A text piece, a ``_Done``, ``None`` (ignore), or raises the error the server reported in-band."""
-    if event.event == "token":
-        return str(event.json()["text"])
-    if event.event == "done":
-        body = event.json()
-        return _Done(body.get("tokens"), body.get("finish_reason"))
-    if event.event == "error":
-        raise error_from_response(500, event.json())
-    return None
-
-
 class _Answer:
     """What both remote streams read off the server's events: text pieces, then the ``done`` totals."""
 
@@ -163,13 +145,19 @@ class _Answer:
         self._ended = False
 
     def _take(self, line: str) -> str | None:
-        """The piece on ``line`` if any; the ``done`` event sets the totals and ends the stream."""
+        """The text piece on ``line`` if any; the ``done`` event sets the totals and ends the stream, an
+        ``error`` event raises the error the server reported in-band."""
         event = self._decoder.feed(line)
-        piece = None if event is None else _stream_event(event)
-        if isinstance(piece, _Done):
-            self.tokens, self.finish_reason, self._ended = piece.tokens, piece.finish_reason, True
+        if event is None:
             return None
-        return piece
+        if event.event == "token":
+            return str(event.json()["text"])
+        if event.event == "done":
+            body = event.json()
+            self.tokens, self.finish_reason, self._ended = body.get("tokens"), body.get("finish_reason"), True
+        elif event.event == "error":
+            raise error_from_response(500, event.json())
+        return None
 
 
 class RemoteTextStream(_Answer, Iterator[str]):

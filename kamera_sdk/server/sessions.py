@@ -64,9 +64,6 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def windows(self) -> list[ContextWindow]:
-        return [s.window for s in self._sessions.values()]
-
     def reserve(self) -> None:
         """Make room for one more session or raise ``LimitExceededError``."""
         self._expire()

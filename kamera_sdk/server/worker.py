@@ -42,8 +42,8 @@ class ModelWorker:
                 yield item  # type: ignore[misc]
         finally:
             close = getattr(it, "close", None)
-            if close is not None and not self._closed:
-                self._pool.submit(close)
+            if close is not None:
+                self.submit(close)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args)`` on the worker without waiting (after the jobs already queued); a failure is

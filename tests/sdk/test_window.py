@@ -557,3 +557,17 @@ def test_a_window_past_the_model_context_is_refused_before_any_work() -> None:
     e.context_length = None  # no limit
     win.add(random_ids(40, seed=7))
     assert win.next_token_logprobs(PROMPT).shape == (128,)
+
+
+def test_a_copy_of_a_text_is_a_chunk_of_its_own() -> None:
+    from tests.conftest import tiny_chat_engine
+
+    e = tiny_chat_engine()
+    win = ContextWindow(e)
+    first, again = win.add_text("The sky is blue."), win.add_text("The sky is blue.")
+    copy = win.add_text("The sky is blue.", copy=1)
+    assert first == again != copy and win.chunks == [first, copy]  # a set, unless it is a copy
+    assert copy == ContextWindow(e).add(e.tokenize("The sky is blue."), kind="text#1")
+    with pytest.raises(InvalidInputError, match="copy must be an int >= 0"):
+        win.add_text("x", copy=-1)
+    assert win.chunks == [first, copy]
