@@ -60,6 +60,13 @@ class WindowStats(BaseModel):
     timings: dict[str, OpTiming] = Field(default_factory=dict)
     decisions: list[Decision] = Field(default_factory=list, description="most recent planning decisions")
 
+    def computed_since(self, before: WindowStats) -> int:
+        """Window tokens a forward computed since ``before`` (prompts excluded): what a use did not serve
+        from stored KV. A new chunk is compiled at arrival and usually prefilled in context too, so the larger
+        of the two counts it once (exact unless the chunks compiled and those prefilled differ, e.g. a new
+        chunk placed first while a cascade rebuilds others)."""
+        return max(self.tokens_prefilled - before.tokens_prefilled, self.ingest_tokens - before.ingest_tokens)
+
     def time(self, op: str, seconds: float) -> None:
         t = self.timings.setdefault(op, OpTiming())
         t.count += 1

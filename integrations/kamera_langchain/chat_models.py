@@ -90,6 +90,7 @@ class _Call:
     report: SyncReport = field(default_factory=SyncReport)
     input_tokens: int = 0
     delta: dict[str, int] = field(default_factory=dict)
+    computed: int = 0  # window tokens a forward computed this call (WindowStats.computed_since)
     chunks: int = 0
     stream: TextStream | None = None  # the answer's decode: its tokens and finish_reason
 
@@ -281,17 +282,14 @@ class ChatKamera(BaseChatModel):
             call.input_tokens = len(win.engine.anchor_ids) + win.tokens + len(call.prompt)
             call.stream = win.generate(call.prompt, stream=True, **call.sampling)
             yield from call.stream
-            call.delta = stats_delta(before, win.stats())
+            after = win.stats()
+            call.delta, call.computed = stats_delta(before, after), after.computed_since(before)
 
     def _finish(self, call: _Call) -> tuple[UsageMetadata, dict[str, Any]]:
         """Usage metadata and ``response_metadata`` of a finished call."""
         stream = call.stream
         output_tokens = stream.tokens if stream is not None else 0  # decoded, not the text re-tokenised
-        # tokens served without a forward this call: a new message is compiled (ingest) and usually also
-        # prefilled in context, so the larger of the two counts it once (exact unless the chunks compiled
-        # and the chunks prefilled differ, e.g. a new chunk placed first while a cascade rebuilds others)
-        computed = max(call.delta.get("tokens_prefilled", 0), call.delta.get("ingest_tokens", 0))
-        cached = max(0, call.input_tokens - len(call.prompt) - computed)
+        cached = max(0, call.input_tokens - len(call.prompt) - call.computed)  # served without a forward
         usage = UsageMetadata(
             input_tokens=call.input_tokens,
             output_tokens=output_tokens,

@@ -176,10 +176,7 @@ def start_chat(
             stop=list(params.stop),
             seed=params.seed,
         )
-        after = win.stats()
-        computed = (
-            after.tokens_prefilled - before.tokens_prefilled + after.ingest_tokens - before.ingest_tokens
-        ) + len(prompt_ids)
+        computed = win.stats().computed_since(before) + len(prompt_ids)
         context = anchor + win.tokens
     else:  # no earlier messages: the prompt sits right behind the chat anchor
         pieces = engine.generate(engine.anchor_kv, prompt_ids, anchor, params)

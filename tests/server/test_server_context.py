@@ -62,3 +62,20 @@ def test_requests_are_held_to_the_model_context() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == served
         assert c.get(f"/v1/sessions/{budget_sid}").json()["tokens"] == long_tokens
+
+
+def test_cached_tokens_count_a_new_message_as_computed_once() -> None:
+    engine = tiny_chat_engine()
+    first = [{"role": "user", "content": "The sky is blue. " * 8}, {"role": "user", "content": "Colour?"}]
+    grown = [first[0], {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "And the sea?"}]
+    with run_server(create_app(engine, api_key="k"), "k") as server:
+        c = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=60)
+        sid = c.post("/v1/sessions").json()["id"]
+        body = {"session": sid, "max_tokens": 1}
+        usage = c.post("/v1/chat/completions", json={"messages": first, **body}).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == len(engine.anchor_ids)  # all of it computed
+        usage = c.post("/v1/chat/completions", json={"messages": grown, **body}).json()["usage"]
+        # the kept message and the anchor are served; the new message was compiled and prefilled in
+        # context (two passes over the same tokens), and counts as computed once
+        kept = len(engine.tokenize("user: " + first[0]["content"]))
+        assert usage["prompt_tokens_details"]["cached_tokens"] == len(engine.anchor_ids) + kept
