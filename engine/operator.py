@@ -112,11 +112,18 @@ def conditioning_delta(conditioned: KV | Sequence[KV], canonical: KV, spec: Rope
     items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
     if not items:
         raise InvalidInputError("conditioning_delta needs at least one conditioned KV")
-    dk = torch.zeros(canonical.keys.shape, dtype=torch.float64, device=canonical.keys.device)
-    dv = torch.zeros(canonical.values.shape, dtype=torch.float64, device=canonical.values.device)
     for item in items:
         if len(item) != len(canonical):
             raise InvalidInputError(f"conditioned KV has {len(item)} tokens, canonical {len(canonical)}")
+    if len(items) == 1:
+        # one subtraction, rounded once in the KV's dtype: the same bits as the float64 path below
+        # (float64 carries more than twice the mantissa, so its extra rounding is innocuous)
+        free = make_free(items[0], spec)
+        keys, values = free.keys - canonical.keys, free.values - canonical.values
+        return KV(keys.to(canonical.keys.dtype), values.to(canonical.values.dtype), None)
+    dk = torch.zeros(canonical.keys.shape, dtype=torch.float64, device=canonical.keys.device)
+    dv = torch.zeros(canonical.values.shape, dtype=torch.float64, device=canonical.values.device)
+    for item in items:
         free = make_free(item, spec)
         dk += free.keys.double() - canonical.keys.double()
         dv += free.values.double() - canonical.values.double()

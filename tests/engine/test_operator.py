@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kamera_engine import KV, Engine, InvalidInputError, Patch
+from kamera_engine import KV, Engine, InvalidInputError, Patch, conditioning_delta
 from tests.conftest import ANCHOR, random_ids, tiny_engine
 
 
@@ -89,6 +89,18 @@ def test_orbit_patch_averages_orderings() -> None:
     served = engine.apply(can_b, orbit, 100)
     assert (served.values - mean_v).abs().max().item() <= 1e-4
     assert not torch.allclose(orbit.v_u, one.v_u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_conditioned_kv_gives_the_bits_of_the_float64_average(tiny: Engine, dtype: torch.dtype) -> None:
+    """A single conditioned KV is subtracted in its own dtype; two copies of it take the float64 averaging
+    path. The two must agree bit for bit (float64 rounds innocuously on the way back)."""
+    _, _, _, _, cond_b, can_b, _ = _setup(tiny, seed=70)
+    cond, can = cond_b.to(dtype=dtype), can_b.to(dtype=dtype)
+    one = conditioning_delta(cond, can, tiny.rope)
+    two = conditioning_delta([cond, cond], can, tiny.rope)
+    assert one.keys.dtype == dtype and one.keys.abs().max() > 0
+    assert torch.equal(one.keys, two.keys) and torch.equal(one.values, two.values)
 
 
 def test_patch_storage_round_trip_and_truncate() -> None:
