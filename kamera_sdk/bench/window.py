@@ -3,9 +3,11 @@
 A web-research agent keeps a window of four pages (200-400 tokens each) over a growing stream of pages:
 every step the oldest page slides out and a new one arrives; every 4th step the agent looks back and
 recalls an evicted page instead; every 5th step it reranks the window. After each step it asks a
-question. Per policy: time to first token (planning + assembling the window + the prompt's prefill;
-compiling a new page's canonical at arrival is reported separately as ingest), tokens prefilled, next-
-token KL to ``recompute`` and whether the greedy 16-token answer equals ``recompute``'s.
+question. Per policy: time to first token (planning + assembling the window + the prompt's prefill),
+tokens prefilled, next-token KL to ``recompute`` and whether the greedy 16-token answer equals
+``recompute``'s. Work off the answer's path is timed too: ingest (a new page's canonical, compiled at
+arrival) and ops (the slide, recall and reorder calls, which also form the patches set aside at the last
+use), so that step time (ingest + ops + TTFT) counts everything a policy spends per step.
 """
 
 from __future__ import annotations
@@ -110,15 +112,18 @@ def _question_for(live: list[Page], questions: list[Question], rng: random.Rando
     return rng.choice(best).question
 
 
-def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> float:
-    """Apply the step's operations to ``win``; returns the ingest time (canonical compiles at arrival)."""
-    ingest = 0.0
+def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> tuple[float, float]:
+    """Apply the step's operations to ``win``; returns the seconds spent in ingest (adds: canonical
+    compiles at arrival) and in the other operations (slide, recall, reorder, with the patch forming
+    they do off the answer's path)."""
+    ingest = ops = 0.0
     for op, arg in step.ops:
+        t0 = time.perf_counter()
         if op == "add":
-            t0 = time.perf_counter()
             ids[arg.id] = win.add_text(arg.text + "\n\n")
             ingest += time.perf_counter() - t0
-        elif op == "slide":
+            continue
+        if op == "slide":
             win.slide(arg)
         elif op == "recall":
             win.recall(ids[arg.id])
@@ -126,7 +131,10 @@ def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> float:
             order = list(win.chunks)
             random.Random(arg).shuffle(order)
             win.reorder(order)
-    return ingest
+        else:
+            raise ValueError(f"unknown trace operation {op!r}")
+        ops += time.perf_counter() - t0
+    return ingest, ops
 
 
 def run_trace(
@@ -134,13 +142,17 @@ def run_trace(
 ) -> dict[str, Any]:
     wins = {p: _window(engine, p) for p in policies}
     ids: dict[str, dict[str, str]] = {p: {} for p in policies}
-    rows: dict[str, dict[str, list]] = {p: {"ttft": [], "kl": [], "match": [], "ingest": []} for p in policies}
+    rows: dict[str, dict[str, list]] = {
+        p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": []} for p in policies
+    }
     per_step: list[dict[str, Any]] = []
     for step in track(trace, "window trace"):
         lps: dict[str, torch.Tensor] = {}
         answers: dict[str, str] = {}
         for p, win in wins.items():
-            rows[p]["ingest"].append(apply_step(win, step, ids[p]))
+            ingest, ops = apply_step(win, step, ids[p])
+            rows[p]["ingest"].append(ingest)
+            rows[p]["ops"].append(ops)
             t0 = time.perf_counter()
             lps[p] = win.next_token_logprobs(step.question)
             rows[p]["ttft"].append(time.perf_counter() - t0)
@@ -168,7 +180,8 @@ def run_trace(
             "answers_match_recompute": mean([float(m) for m in rows[p]["match"]]),
             "ingest_s_mean": mean(rows[p]["ingest"]),
             "ingest_tokens": st.ingest_tokens,
-            "step_s_mean": mean([a + b for a, b in zip(rows[p]["ttft"], rows[p]["ingest"], strict=True)]),
+            "ops_s_mean": mean(rows[p]["ops"]),
+            "step_s_mean": mean([sum(t) for t in zip(rows[p]["ttft"], rows[p]["ingest"], rows[p]["ops"], strict=True)]),
             "forwards": st.forwards,
             "patches_formed": st.patches_formed,
             "patches_reused": st.patches_reused,
