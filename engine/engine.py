@@ -7,6 +7,7 @@ nothing about chunks, windows or policies (that is ``kamera_sdk``).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -83,9 +84,7 @@ class Engine:
         probe = self._probe_shapes()
         self.num_layers, self.num_kv_heads, self.key_dim, self.value_dim = probe
         self.rope: RopeSpec = self.adapter.rope_spec(model, self.key_dim)
-        #: positions a window, its prompt and the answer may take together (the config's
-        #: ``max_position_embeddings``); assign a larger int to extrapolate on purpose, None for no limit
-        self.context_length: int | None = self.adapter.context_length()
+        self.context_length = self.adapter.context_length()
         if anchor_ids is not None:
             self.anchor_ids = [int(i) for i in anchor_ids]
             self.prompt_suffix_ids: list[int] = []
@@ -228,6 +227,24 @@ class Engine:
         self.counters.tokens_prefilled += int(input_ids.numel())
         self.counters.forward_s += time.perf_counter() - t0
         return res
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions a window, its prompt and the answer may take together (the config's
+        ``max_position_embeddings``); assign a larger int to extrapolate on purpose, None for no limit."""
+        return self._context_length
+
+    @context_length.setter
+    def context_length(self, value: int | None) -> None:
+        if value is not None:
+            try:
+                limit = None if isinstance(value, bool) else operator.index(value)
+            except TypeError:
+                limit = None
+            if limit is None or limit < 1:
+                raise InvalidInputError(f"context_length must be an int >= 1 or None (no limit), got {value!r}")
+            value = limit
+        self._context_length = value
 
     def check_length(self, positions: int, *, new_tokens: int = 0) -> None:
         """Refuse ``positions`` tokens of context plus ``new_tokens`` to decode when together they exceed

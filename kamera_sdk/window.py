@@ -14,13 +14,14 @@ import math
 import operator
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal, overload
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from kamera_engine import (
     KV,
@@ -93,11 +94,7 @@ class ContextWindow:
         kv_budget: float | None = None,
     ) -> None:
         if config is None:
-            try:
-                config = WindowConfig(rank=32 if rank is None else rank, budget_tokens=budget_tokens)
-            except ValidationError as e:
-                err = e.errors()[0]
-                raise InvalidInputError(f"invalid window option {err['loc'][0]}: {err['msg']}") from e
+            config = WindowConfig(rank=32 if rank is None else rank, budget_tokens=budget_tokens)
         elif rank is not None or budget_tokens is not None:
             raise InvalidInputError("pass rank/budget_tokens either directly or inside config, not both")
         self.engine = engine
@@ -282,9 +279,9 @@ class ContextWindow:
             if chunk_id in self._table:
                 raise WindowOperationError(f"chunk {chunk_id!r} was not evicted")
             raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
-        pos = len(self._slots) if at is None else at
-        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos <= len(self._slots):
-            raise InvalidInputError(f"recall position must be in [0, {len(self._slots)}], got {at!r}")
+        pos = len(self._slots) if at is None else _as_index(at)
+        if pos is None or not 0 <= pos <= len(self._slots):
+            raise InvalidInputError(f"recall position must be an int in [0, {len(self._slots)}], got {at!r}")
         t0 = time.perf_counter()
         self._evicted.remove(chunk_id)
         self._slots.insert(pos, Slot(chunk_id, recalled=True))
@@ -296,8 +293,12 @@ class ContextWindow:
     def slide(self, n: int = 1) -> list[ChunkId]:
         """Drop the oldest ``n`` chunks (they stay recallable); survivors are served by rotation only, or
         re-conditioned once with a removal patch under ``survivors="patch"``."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0 or n > len(self._slots):
-            raise WindowOperationError(f"cannot slide {n!r} chunks out of a window of {len(self._slots)}")
+        count = _as_index(n)
+        if count is None or count < 0:
+            raise InvalidInputError(f"slide takes a number of chunks (an int >= 0), got {n!r}")
+        if count > len(self._slots):
+            raise WindowOperationError(f"cannot slide {count} chunks out of a window of {len(self._slots)}")
+        n = count
         if n == 0:
             return []
         t0 = time.perf_counter()
@@ -318,6 +319,8 @@ class ContextWindow:
             if order != "auto":
                 raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', got {order!r}")
             order = best_order(self._view(), self.policy)
+        if not isinstance(order, Iterable) or isinstance(order, (AbstractSet, Mapping)):  # a set has no order
+            raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', not {type(order).__name__}")
         order = list(order)
         current = self.chunks
         if set(order) != set(current) or len(order) != len(current):

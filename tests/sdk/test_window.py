@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -253,6 +254,11 @@ def test_generate_needs_a_tokenizer(engine) -> None:
         lambda w, ids: w.add([5, 6], kind=""),
         lambda w, ids: w.slide(True),
         lambda w, ids: w.reorder([ids[0], 1, 2, 3]),
+        lambda w, ids: w.reorder(None),
+        lambda w, ids: w.reorder(3),
+        lambda w, ids: w.reorder(set(ids)),  # a set has no order
+        lambda w, ids: w.slide(1.0),
+        lambda w, ids: w.slide("1"),
     ],
 )
 def test_invalid_operations_raise_and_leave_the_window_unchanged(engine, op) -> None:
@@ -262,6 +268,19 @@ def test_invalid_operations_raise_and_leave_the_window_unchanged(engine, op) -> 
         op(win, ids)
     assert win.chunks == ids and win.evicted == []
     assert torch.equal(win.next_token_logprobs(PROMPT), lp)
+
+
+def test_numpy_and_tensor_integers_are_indices(engine) -> None:
+    """Counts and positions computed with numpy or torch are taken like ints (as add's token ids are)."""
+    win, ids = _filled(engine)
+    assert win.slide(np.int64(1)) == ids[:1]
+    win.recall(ids[0], at=torch.tensor(1))
+    assert win.chunks == [ids[1], ids[0], *ids[2:]]
+    win.reorder(reversed(win.chunks))  # any ordered iterable
+    assert win.chunks == [*reversed(ids[2:]), ids[0], ids[1]]
+    win.slide(1)
+    with pytest.raises(InvalidInputError, match="recall position"):
+        win.recall(win.evicted[-1], at=np.float64(0))
 
 
 def test_unknown_policy_and_empty_window_errors(engine) -> None:
@@ -557,6 +576,12 @@ def test_a_window_past_the_model_context_is_refused_before_any_work() -> None:
     e.context_length = None  # no limit
     win.add(random_ids(40, seed=7))
     assert win.next_token_logprobs(PROMPT).shape == (128,)
+    for bad in ("big", 0, -5, 2.5, True):  # refused when assigned, not at the next forward
+        with pytest.raises(InvalidInputError, match="context_length must be an int >= 1 or None"):
+            e.context_length = bad
+    assert e.context_length is None
+    e.context_length = np.int64(9000)
+    assert e.context_length == 9000 and type(e.context_length) is int
 
 
 def test_a_copy_of_a_text_is_a_chunk_of_its_own() -> None:
