@@ -57,7 +57,7 @@ def _engine(win: ContextWindow, what: str) -> VisionEngine:
     return engine
 
 
-def _append(
+def _chunk(
     win: ContextWindow,
     engine: VisionEngine,
     cid: ChunkId,
@@ -65,13 +65,19 @@ def _append(
     register: Any,
     label: str | None,
     prefix: Sequence[int] = (),
-) -> ChunkId:
+) -> Chunk:
+    """The chunk for ``cid``: the known one, or a new one registered with the engine (the vision tower runs
+    here, once per distinct picture). Nothing is added to the window yet."""
     if cid in win._table:
-        return win._append_known(cid)
+        return win._table.get(cid)
     runs = engine.tower_runs
     entry = register()
     win._stats.vision_tower_runs += engine.tower_runs - runs
-    return win._add(Chunk(cid, kind, [*prefix, *entry.token_ids], text=label))
+    return Chunk(cid, kind, [*prefix, *entry.token_ids], text=label)
+
+
+def _append(win: ContextWindow, chunk: Chunk) -> ChunkId:
+    return win._append_known(chunk.id) if chunk.id in win._table else win._add(chunk)
 
 
 def add_image(
@@ -93,7 +99,9 @@ def add_image(
     cid = content_id("image", (digest if ref is None else f"{digest}#{ref}").encode())
     if ref is not None and win._refs.get(ref, cid) != cid:
         raise InvalidInputError(f"IMAGE#{ref} already names another image ({win._refs[ref][:8]}); pick another ref")
-    chunk_id = _append(win, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
+    chunk_id = _append(
+        win, _chunk(win, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
+    )
     if ref is not None:
         win._refs[ref] = chunk_id
     return chunk_id
@@ -134,12 +142,14 @@ def add_video(
         clip = load_video(video, max_frames=max_frames, frames_fps=frames_fps, limits=limits)
     else:
         clip = load_video(video, sample_fps=sample_fps, max_frames=max_frames, limits=limits)
-    ids = []
+    chunks = []
     for seg in clip.segments(frames_per_segment):
         digest = seg.digest()
         cid = content_id("video", digest.encode())
         label = f"[video {seg.start_s:.1f}-{seg.end_s:.1f}s, {len(seg.frames)} frames]"
-        ids.append(
-            _append(win, engine, cid, "video", lambda s=seg, d=digest: engine.register_video(s.frames, s.fps, d), label)
+        chunk = _chunk(
+            win, engine, cid, "video", lambda s=seg, d=digest: engine.register_video(s.frames, s.fps, d), label
         )
-    return ids
+        win._check_fits(chunk)  # every segment is checked before any is added: a refusal changes nothing
+        chunks.append(chunk)
+    return [_append(win, chunk) for chunk in chunks]

@@ -185,6 +185,22 @@ def test_refusals(tmp_path_factory: pytest.TempPathFactory) -> None:
         ContextWindow(e).add_image(b"not an image")
 
 
+def test_a_video_with_a_segment_over_budget_adds_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every segment is checked against the budget before any is added: the refusal leaves the window as it
+    was (the first, fitting segment is not left behind without its id ever reaching the caller)."""
+    e = vlm("qwen2_vl", tmp_path_factory.getbasetemp() / "vlm")
+    small, big = noise_image(920, (40, 40)), noise_image(921, (400, 400))
+    probe = ContextWindow(e)
+    fits = len(probe.chunk(probe.add_video([small, small], frames_per_segment=2)[0]))
+    over = len(probe.chunk(probe.add_video([big, big], frames_per_segment=2)[0]))
+    assert over > fits
+    win = ContextWindow(e, budget_tokens=fits + 1)
+    first = win.add_text("a page of notes")
+    with pytest.raises(InvalidInputError, match="does not fit"):
+        win.add_video([small, small, big, big], frames_per_segment=2)
+    assert win.chunks == [first] and win.evicted == []
+
+
 # --- stateful: the window machine of tests/sdk/test_window_stateful.py over a mixed pool -------------
 _ROOT: list = []
 
