@@ -143,6 +143,14 @@ def _check_scheme(url: str) -> None:
         raise UnsupportedSchemeError(f"{url}: scheme {scheme!r} is refused; only http and https URLs are fetched")
 
 
+def _check_pixels(width: int, height: int, what: str, limits: FetchLimits) -> None:
+    """Refuse a picture with no pixels (``ImageDecodeError``) or more than ``limits.max_pixels``."""
+    if width < 1 or height < 1:
+        raise ImageDecodeError(f"{what}: a {width}x{height} image has no pixels")
+    if width * height > limits.max_pixels:
+        raise MediaTooLargeError(f"{what}: {width}x{height} exceeds the limit of {limits.max_pixels} pixels")
+
+
 def decode_image(data: bytes, *, source: str = "bytes", limits: FetchLimits = DEFAULT_LIMITS) -> Image.Image:
     """Decode image bytes to an RGB PIL image, or raise :class:`ImageDecodeError`."""
     if len(data) > limits.max_bytes:
@@ -151,10 +159,7 @@ def decode_image(data: bytes, *, source: str = "bytes", limits: FetchLimits = DE
         raise ImageDecodeError(f"{source}: empty input is not an image")
     try:
         img = Image.open(io.BytesIO(data))
-        if img.width * img.height > limits.max_pixels:
-            raise MediaTooLargeError(
-                f"{source}: {img.width}x{img.height} image exceeds the limit of {limits.max_pixels} pixels"
-            )
+        _check_pixels(img.width, img.height, source, limits)
         img.load()
     except MediaError:
         raise
@@ -166,8 +171,7 @@ def decode_image(data: bytes, *, source: str = "bytes", limits: FetchLimits = DE
 def load_image(src: ImageInput, *, limits: FetchLimits = DEFAULT_LIMITS, client: Any | None = None) -> Image.Image:
     """An RGB PIL image from a PIL image, a path, bytes, or an http(s) URL."""
     if isinstance(src, Image.Image):
-        if src.width * src.height > limits.max_pixels:
-            raise MediaTooLargeError(f"{src.width}x{src.height} image exceeds the limit of {limits.max_pixels} pixels")
+        _check_pixels(src.width, src.height, "image", limits)
         return src if src.mode == "RGB" else src.convert("RGB")
     if isinstance(src, (bytes, bytearray, memoryview)):
         return decode_image(bytes(src), limits=limits)
@@ -303,10 +307,7 @@ def _decode_video(
                 t = float(frame.time) if frame.time is not None else i / rate
                 if sample_fps is not None and t + 1e-6 < next_t:
                     continue
-                if frame.width * frame.height > limits.max_pixels:
-                    raise MediaTooLargeError(
-                        f"{source}: {frame.width}x{frame.height} frames exceed the limit of {limits.max_pixels} pixels"
-                    )
+                _check_pixels(frame.width, frame.height, f"{source} (a frame)", limits)
                 frames.append(frame.to_image().convert("RGB"))
                 stamps.append(t)
                 if sample_fps is not None:

@@ -162,6 +162,9 @@ def test_undecodable_inputs_raise_clear_errors(server: str, tmp_path: Path) -> N
     assert load_image(path).size == (24, 16) and load_image(str(path)).size == (24, 16)
     with pytest.raises(MediaTooLargeError, match="pixels"):
         load_image(Image.new("RGB", (100, 100)), limits=FetchLimits(max_pixels=50))
+    for size in ((0, 0), (5, 0)):  # an image with no pixels: named, not a ZeroDivisionError in a processor
+        with pytest.raises(ImageDecodeError, match=f"a {size[0]}x{size[1]} image has no pixels"):
+            load_image(Image.new("RGB", size))
 
 
 def test_video_file_decodes_samples_and_segments(tmp_path: Path) -> None:
@@ -204,5 +207,5 @@ def test_video_files_and_frames_are_bounded(tmp_path: Path) -> None:
     with pytest.raises(MediaTooLargeError, match="exceeds the limit"):
         load_video(path, limits=FetchLimits(max_video_bytes=size - 1))
     assert len(load_video(path, limits=FetchLimits(max_bytes=size - 1)).frames) > 0  # the image limit is not it
-    with pytest.raises(MediaTooLargeError, match="32x32 frames exceed the limit of 1000 pixels"):
+    with pytest.raises(MediaTooLargeError, match=r"\(a frame\): 32x32 exceeds the limit of 1000 pixels"):
         load_video(path, limits=FetchLimits(max_pixels=1000))
