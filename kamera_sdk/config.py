@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .envelope import EnvelopeConfig
+from .options import Options
 
 if TYPE_CHECKING:
     from kamera_engine import Engine
@@ -15,10 +16,9 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class WindowConfig(BaseModel):
-    """How a ``ContextWindow`` forms and reuses conditioning."""
-
-    model_config = ConfigDict(frozen=True)
+class WindowConfig(Options):
+    """How a ``ContextWindow`` forms and reuses conditioning (an unknown option or a bad value raises
+    ``InvalidInputError``)."""
 
     rank: int = Field(32, ge=1, description="rank m of conditioning patches")
     budget_tokens: int | None = Field(None, ge=1, description="slide the oldest chunks out above this many tokens")

@@ -14,12 +14,11 @@ from collections import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from .chunks import Antecedent
+from .options import Options
 
 
-class EnvelopeConfig(BaseModel):
+class EnvelopeConfig(Options):
     """How far an antecedent may drift before a stored patch is rebuilt."""
-
-    model_config = ConfigDict(frozen=True)
 
     allow_reorder: bool = Field(True, description="same set in another order")
     max_dropped: int = Field(1, ge=0, description="members of the patch's antecedent now missing")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from kamera_sdk import EnvelopeConfig
+from kamera_sdk import EnvelopeConfig, InvalidInputError, WindowConfig
 from kamera_sdk.envelope import judge
 
 CFG = EnvelopeConfig()
@@ -33,3 +34,25 @@ def test_envelope_thresholds_are_configurable() -> None:
     assert judge(("a", "b", "c"), ("a", "b", "x"), loose).reuse
     assert judge(("a", "b", "c"), ("c",), loose).reuse
     assert not judge(("a", "b", "c"), ("c", "a"), EnvelopeConfig(allow_reorder=False)).reuse
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: WindowConfig(survivor="patch"), "survivor: unknown option"),  # a typo would run the default
+        (lambda: WindowConfig(rank=0), "rank: Input should be greater than or equal to 1"),
+        (lambda: WindowConfig(survivors="bogus"), "survivors: Input should be 'rotate' or 'patch'"),
+        (lambda: EnvelopeConfig(max_dropped=-1), "EnvelopeConfig option max_dropped"),
+        (lambda: WindowConfig(envelope={"max_droped": 1}), "envelope: invalid EnvelopeConfig option max_droped"),
+    ],
+)
+def test_options_refuse_unknown_names_and_bad_values(make, match: str) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        make()
+
+
+def test_options_are_frozen_and_nest() -> None:
+    config = WindowConfig(envelope={"max_dropped": 2})
+    assert config.envelope == EnvelopeConfig(max_dropped=2)
+    with pytest.raises(ValidationError, match="frozen"):
+        config.rank = 4  # type: ignore[misc]
