@@ -171,8 +171,11 @@ def _error_response(exc: BaseException, headers: dict[str, str] | None = None) -
     return JSONResponse(exception_body(exc), status_code=status_for(exc), headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+def _validation_message(exc: RequestValidationError, content_type: str | None) -> tuple[int, str]:
     errors = exc.errors()
+    if any(tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
+        # a body sent as another media type (curl -d sends a form) is never read as JSON
+        return 415, f"send the request body as JSON with content-type: application/json (got {content_type or 'none'})"
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid")
         return 400, f"request body is not valid JSON: {detail.get('ctx', {}).get('error', detail.get('msg'))}"
@@ -440,8 +443,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        status, message = _validation_message(exc)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        status, message = _validation_message(exc, request.headers.get("content-type"))
         return JSONResponse(error_body("InvalidInputError", message), status_code=status)
 
     @app.exception_handler(StarletteHTTPException)

@@ -56,6 +56,9 @@ def test_malformed_requests(http: httpx.Client) -> None:
         f"/v1/sessions/{sid}/chunks", content=b'{"text": "x"', headers={"content-type": "application/json"}
     )
     assert "not valid JSON" in error(bad_json, 400, "InvalidInputError")
+    form = http.post(f"/v1/sessions/{sid}/chunks", content=b'{"text": "x"}', headers={"content-type": "text/plain"})
+    assert "content-type: application/json (got text/plain)" in error(form, 415, "InvalidInputError")
+    assert error(http.post(f"/v1/sessions/{sid}/chunks", json=["x"]), 422, "InvalidInputError")  # JSON, wrong shape
     assert "colour" in error(http.post("/v1/sessions", json={"colour": "red"}), 422, "InvalidInputError")
     assert "rank" in error(http.post("/v1/sessions", json={"rank": 0}), 422, "InvalidInputError")
     msg = error(http.post(f"/v1/sessions/{sid}/chunks", json={"text": "a", "token_ids": [1]}), 422, "InvalidInputError")
