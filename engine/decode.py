@@ -50,8 +50,10 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """One token from next-token logits (vocab,)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    x = logits.float()
-    probs = torch.softmax((x - x.max()) / params.temperature, dim=-1)  # shifted: a tiny temperature is argmax
+    # float64: any temperature / top_p the checks admit (down to 1e-300) stays a positive number here,
+    # where float32 would round it to 0 and divide by it; shifted, a tiny temperature is argmax
+    x = logits.double()
+    probs = torch.softmax((x - x.max()) / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)

@@ -77,6 +77,9 @@ def test_a_tiny_temperature_is_greedy_not_nan() -> None:
     logits = torch.tensor([1.0, 3.0, 2.0])
     gen = torch.Generator().manual_seed(0)
     assert {pick_token(logits, SamplingParams(temperature=1e-40), gen) for _ in range(20)} == {1}
+    # below float32's range (1e-300 rounds to 0 there): still a temperature, still greedy, not a nan error
+    assert {pick_token(logits, SamplingParams(temperature=1e-300), gen) for _ in range(20)} == {1}
+    assert {pick_token(logits, SamplingParams(temperature=1.0, top_p=1e-300), gen) for _ in range(20)} == {1}
 
 
 @pytest.mark.parametrize(
