@@ -54,6 +54,7 @@ from .schemas import (
     ChunkChoice,
     ChunkDelta,
     ChunkRef,
+    ForkRequest,
     GenerateRequest,
     GenerateResult,
     Health,
@@ -290,8 +291,9 @@ def create_app(
         return await worker.run(_then_state, s, s.window.reorder, req.order)
 
     @app.post("/v1/sessions/{session_id}/slide", response_model=SlideResult)
-    async def slide(session_id: str, req: SlideRequest) -> SlideResult:
+    async def slide(session_id: str, req: SlideRequest | None = None) -> SlideResult:
         s = sessions.get(session_id)
+        req = req or SlideRequest()  # no body: slide one
 
         def job() -> SlideResult:
             removed = [str(c) for c in s.window.slide(req.n)]
@@ -300,7 +302,7 @@ def create_app(
         return await worker.run(job)
 
     @app.post("/v1/sessions/{session_id}/fork", response_model=SessionCreated, status_code=201)
-    async def fork(session_id: str) -> SessionCreated:
+    async def fork(session_id: str, _: ForkRequest | None = None) -> SessionCreated:
         s = sessions.get(session_id)
         sessions.reserve()  # before the fork: a refused fork leaves nothing behind
         child_window = await worker.run(s.window.fork)

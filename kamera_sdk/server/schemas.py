@@ -1,7 +1,8 @@
 """Request and response models of the engine server (pydantic), shared by the app and the client.
 
-Kamera's own endpoints forbid unknown fields (a typo is an error, not a silent default); the
-OpenAI-compatible endpoint ignores fields it does not use, so drop-in clients keep working.
+Kamera's own endpoints forbid unknown fields (a typo is an error, not a silent default) and values of
+another JSON type (no coercion of "1" or true to an int); the OpenAI-compatible endpoint ignores
+fields it does not use, so drop-in clients keep working.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ Prompt = str | list[int]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON value of another type is refused, never coerced ("1" or true for an int); an int
+    # is still a valid float
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --- Kamera's own API ------------------------------------------------------------------------------
@@ -86,6 +89,10 @@ class SlideRequest(_Strict):
     """Drop the oldest ``n`` chunks."""
 
     n: int = Field(1, ge=0)
+
+
+class ForkRequest(_Strict):
+    """A fork takes no options (an empty body, or none)."""
 
 
 class SlideResult(BaseModel):

@@ -77,6 +77,21 @@ def test_malformed_requests(http: httpx.Client) -> None:
     assert http.get(f"/v1/sessions/{sid}").json()["chunks"] == []
 
 
+def test_values_of_another_json_type_are_refused_not_coerced(http: httpx.Client) -> None:
+    sid = session(http)
+    first = http.post(f"/v1/sessions/{sid}/chunks", json={"text": "one"}).json()["chunk"]
+    http.post(f"/v1/sessions/{sid}/chunks", json={"text": "two"})
+    for n in (True, "1", 1.0):  # each would have slid a chunk out
+        assert "n" in error(http.post(f"/v1/sessions/{sid}/slide", json={"n": n}), 422, "InvalidInputError")
+    error(http.post(f"/v1/sessions/{sid}/chunks", json={"token_ids": ["5"]}), 422, "InvalidInputError")
+    assert "x" in error(http.post(f"/v1/sessions/{sid}/fork", json={"x": 1}), 422, "InvalidInputError")
+    assert len(http.get(f"/v1/sessions/{sid}").json()["chunks"]) == 2  # nothing changed
+    gen = http.post(f"/v1/sessions/{sid}/generate", json={"prompt": "hi", "max_new_tokens": 1, "temperature": 1})
+    assert gen.status_code == 200, gen.text  # an int is still a float
+    assert http.post(f"/v1/sessions/{sid}/fork").status_code == 201  # no body
+    assert http.post(f"/v1/sessions/{sid}/slide").json()["removed"] == [first]  # no body: one
+
+
 def test_oversized_bodies_are_refused(http: httpx.Client) -> None:
     sid = session(http)
     big = {"text": "word " * (MAX_BODY // 4)}
