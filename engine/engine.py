@@ -119,6 +119,8 @@ class Engine:
             name = DEFAULT_MODEL_NAME
         else:
             path, name = model, str(model)
+            if _looks_local(model) and not Path(model).expanduser().exists():
+                raise ModelLoadError(f"model path not found: {model}")
             vision = _vision_engine_class(path)
             if vision is not None:  # a vision-language checkpoint: its processor and model classes
                 return vision.load(path, device=device, dtype=dtype, attn=attn)
@@ -406,3 +408,8 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tor
     if dtype not in table:
         raise InvalidInputError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
     return table[dtype]
+
+
+def _looks_local(model: str | Path) -> bool:
+    """A Path, or a string written as a filesystem path (not a hub id such as ``org/name``)."""
+    return isinstance(model, Path) or str(model).startswith(("/", "./", "../", "~"))

@@ -78,7 +78,11 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     chunk = Chunk(content_id("tokens", str(ids).encode()), "tokens", ids)
     recompute = timed(lambda: engine.canonical(ids), repeat=2 if quick else 3)
     chunk.canonical = engine.canonical(ids)
-    result: dict[str, Any] = {"chunk_tokens": n, "recompute_s": recompute, "dtype": str(engine.dtype)}
+    result: dict[str, Any] = {
+        "chunk_tokens": n,
+        "recompute_s": recompute,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         disk_s, size = _load_time(engine, chunk, lambda: ChunkStore(backend=DiskBackend(Path(tmp) / "s")))
     result["disk"] = {"load_s": disk_s, "speedup_vs_recompute": recompute / disk_s}

@@ -113,8 +113,9 @@ def test_bad_load_arguments_raise_clear_errors(tmp_path) -> None:
         Engine.load(str(tmp_path), dtype="float7")
     with pytest.raises(InvalidInputError, match="attention backend"):
         Engine.load(str(tmp_path), attn="magic")
-    with pytest.raises(ModelLoadError):
-        Engine.load(str(tmp_path / "nothing-here"))
+    for missing in (str(tmp_path / "nothing-here"), tmp_path / "nothing-here", "./nothing-here"):
+        with pytest.raises(ModelLoadError, match=r"model path not found: .*nothing-here"):
+            Engine.load(missing)
 
 
 @pytest.mark.slow
