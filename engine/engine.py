@@ -119,8 +119,10 @@ class Engine:
             name = DEFAULT_MODEL_NAME
         else:
             path, name = model, str(model)
-            if _looks_local(model) and not Path(model).expanduser().exists():
-                raise ModelLoadError(f"model path not found: {model}")
+            if _looks_local(model):
+                path = Path(model).expanduser()
+                if not path.exists():
+                    raise ModelLoadError(f"model path not found: {model}")
             vision = _vision_engine_class(path)
             if vision is not None:  # a vision-language checkpoint: its processor and model classes
                 return vision.load(path, device=device, dtype=dtype, attn=attn)

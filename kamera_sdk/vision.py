@@ -150,6 +150,9 @@ def add_video(
         chunk = _chunk(
             win, engine, cid, "video", lambda s=seg, d=digest: engine.register_video(s.frames, s.fps, d), label
         )
-        win._check_fits(chunk)  # every segment is checked before any is added: a refusal changes nothing
+        # every segment is checked before any is added (the budget, and the context its canonical is
+        # computed in): a refusal changes nothing
+        win._check_fits(chunk)
+        engine.check_length(len(engine.anchor_ids) + len(chunk))
         chunks.append(chunk)
     return [_append(win, chunk) for chunk in chunks]

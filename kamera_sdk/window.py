@@ -51,7 +51,7 @@ from .store import ChunkStore, default_store_path, open_store
 log = logging.getLogger("kamera.window")
 
 
-def _as_index(value: object) -> int | None:
+def as_index(value: object) -> int | None:
     """``value`` as an int if it is one (ints, numpy ints, one-element integer tensors; not bools)."""
     if isinstance(value, bool):
         return None
@@ -59,6 +59,13 @@ def _as_index(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def order_arg(order: object) -> list:
+    """``reorder``'s argument as a list, or ``InvalidInputError``: any ordered iterable, not a set."""
+    if not isinstance(order, Iterable) or isinstance(order, (str, AbstractSet, Mapping)):  # a set has no order
+        raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', not {type(order).__name__}")
+    return list(order)
 
 
 class DisposabilityResult(BaseModel):
@@ -189,7 +196,7 @@ class ContextWindow:
         with the same tokens (kind ``text#<copy>``), as a message repeated in a conversation is."""
         if not isinstance(text, str) or not text.strip():
             raise InvalidInputError("add_text needs a non-empty string")
-        k = _as_index(copy)
+        k = as_index(copy)
         if k is None or k < 0:
             raise InvalidInputError(f"copy must be an int >= 0, got {copy!r}")
         if k:
@@ -279,7 +286,7 @@ class ContextWindow:
             if chunk_id in self._table:
                 raise WindowOperationError(f"chunk {chunk_id!r} was not evicted")
             raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
-        pos = len(self._slots) if at is None else _as_index(at)
+        pos = len(self._slots) if at is None else as_index(at)
         if pos is None or not 0 <= pos <= len(self._slots):
             raise InvalidInputError(f"recall position must be an int in [0, {len(self._slots)}], got {at!r}")
         t0 = time.perf_counter()
@@ -293,7 +300,7 @@ class ContextWindow:
     def slide(self, n: int = 1) -> list[ChunkId]:
         """Drop the oldest ``n`` chunks (they stay recallable); survivors are served by rotation only, or
         re-conditioned once with a removal patch under ``survivors="patch"``."""
-        count = _as_index(n)
+        count = as_index(n)
         if count is None or count < 0:
             raise InvalidInputError(f"slide takes a number of chunks (an int >= 0), got {n!r}")
         if count > len(self._slots):
@@ -319,9 +326,7 @@ class ContextWindow:
             if order != "auto":
                 raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', got {order!r}")
             order = best_order(self._view(), self.policy)
-        if not isinstance(order, Iterable) or isinstance(order, (AbstractSet, Mapping)):  # a set has no order
-            raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', not {type(order).__name__}")
-        order = list(order)
+        order = order_arg(order)
         current = self.chunks
         if set(order) != set(current) or len(order) != len(current):
             missing = sorted(set(current) - set(order))
@@ -655,7 +660,7 @@ class ContextWindow:
             raise InvalidInputError(f"{what} takes a sequence of token ids, got {type(values).__name__}") from None
         ids = []
         for t in items:
-            index = _as_index(t)
+            index = as_index(t)
             if index is None:
                 raise InvalidInputError(f"{what} takes integer token ids, got {t!r}")
             ids.append(index)

@@ -257,7 +257,11 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     corpus = load_corpus()
     probes = corpus.probes[:4] if quick else corpus.probes
     err.print(f"[bold]operator[/] on {engine.name}: {len(probes)} probes")
-    result: dict[str, Any] = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype)}
+    result: dict[str, Any] = {
+        "model": engine.name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
     result.update(relocation_error(engine, engine.tokenize(corpus.pages[0].text)))
     result.update(fidelity(engine, probes))
     result["anchor"] = anchor_choice(engine, probes[:4] if quick else probes)

@@ -27,7 +27,10 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import httpx
 
+from kamera_engine import InvalidInputError
+
 from ..stats import WindowStats
+from ..window import as_index, order_arg
 from .errors import RemoteError, error_from_response
 from .schemas import ChunkAdded, LogprobsResult, SessionCreated, SlideResult, TopToken, WindowState
 from .sse import SSEDecoder
@@ -35,6 +38,14 @@ from .sse import SSEDecoder
 T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8765"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+def _index(value: object, what: str) -> int:
+    """An int argument as the local window takes it (numpy and torch ints too), sent as a JSON int."""
+    index = as_index(value)
+    if index is None:
+        raise InvalidInputError(f"{what} must be an int, got {value!r}")
+    return index
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +102,16 @@ class _Requests:
         return _Request("POST", f"{self.base}/evict", {"chunk": chunk_id}, _none)
 
     def recall(self, chunk_id: str, at: int | None) -> _Request[None]:
-        return _Request("POST", f"{self.base}/recall", {"chunk": chunk_id, "at": at}, _none)
+        pos = None if at is None else _index(at, "recall position")
+        return _Request("POST", f"{self.base}/recall", {"chunk": chunk_id, "at": pos}, _none)
 
     def reorder(self, order: Sequence[str] | Literal["auto"]) -> _Request[list[str]]:
-        body = {"order": order if isinstance(order, str) else list(order)}
+        body = {"order": order if isinstance(order, str) else order_arg(order)}
         return _Request("POST", f"{self.base}/reorder", body, lambda b: _state(b).chunks)
 
     def slide(self, n: int) -> _Request[list[str]]:
-        return _Request("POST", f"{self.base}/slide", {"n": n}, lambda b: SlideResult.model_validate(b).removed)
+        body = {"n": _index(n, "slide count")}
+        return _Request("POST", f"{self.base}/slide", body, lambda b: SlideResult.model_validate(b).removed)
 
     def fork(self) -> _Request[str]:
         return _Request("POST", f"{self.base}/fork", None, lambda b: SessionCreated.model_validate(b).id)

@@ -3,7 +3,7 @@
 The server adds a few errors to Kamera's tree (``kamera_engine.errors``)::
 
     KameraError
-    ├── InvalidInputError                  422 (400 for a body that is not JSON)
+    ├── InvalidInputError                  422 (400 for a body that is not JSON, 415 for another media type)
     │   ├── MediaError                     422
     │   └── PayloadTooLargeError           413  a body or image over the server's limit
     ├── ChunkNotFoundError                 404

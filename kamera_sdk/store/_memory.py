@@ -22,7 +22,9 @@ class MemoryTier:
 
     def __init__(self, max_bytes: int, eviction: str | EvictionPolicy = "lru") -> None:
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
-            raise InvalidInputError(f"memory_bytes must be an int >= 0, got {max_bytes!r}")
+            raise InvalidInputError(
+                f"memory_bytes (the memory tier's max_bytes) must be an int >= 0, got {max_bytes!r}"
+            )
         self.max_bytes = max_bytes
         self.policy = make_eviction(eviction)
         self.evictions = 0

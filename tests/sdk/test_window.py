@@ -270,6 +270,25 @@ def test_invalid_operations_raise_and_leave_the_window_unchanged(engine, op) -> 
     assert torch.equal(win.next_token_logprobs(PROMPT), lp)
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda w: w.slide(1.0),
+        lambda w: w.slide("1"),
+        lambda w: w.slide(-1),
+        lambda w: w.reorder(None),
+        lambda w: w.reorder(3),
+        lambda w: w.reorder(set(w.chunks)),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_invalid_input(engine, op) -> None:
+    """Not a WindowOperationError (that is for the window's state) and not a raw TypeError."""
+    win, ids = _filled(engine)
+    with pytest.raises(InvalidInputError, match=r"slide takes a number|reorder takes a permutation"):
+        op(win)
+    assert win.chunks == ids
+
+
 def test_numpy_and_tensor_integers_are_indices(engine) -> None:
     """Counts and positions computed with numpy or torch are taken like ints (as add's token ids are)."""
     win, ids = _filled(engine)

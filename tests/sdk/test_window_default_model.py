@@ -32,9 +32,10 @@ def test_kamera_beats_blind_on_a_short_trace(default_engine: Engine) -> None:
     assert result["kamera"]["kl_mean"] < result["blind"]["kl_mean"]
     assert result["kamera"]["kl_mean"] <= 0.02, result["kamera"]
     assert result["kamera"]["prefill_tokens"] < result["recompute"]["prefill_tokens"] / 2
-    # step time counts everything spent per step: the slides form the patches set aside at the last use
+    # step time counts everything spent per step: kamera's slides form the patches set aside at the last
+    # use (blind forms none, so its operations are bookkeeping)
     k = result["kamera"]
-    assert k["ops_s_mean"] > 0 and k["patches_formed"] > 0
+    assert k["patches_formed"] > 0 and k["ops_s_mean"] > 10 * result["blind"]["ops_s_mean"]
     assert k["step_s_mean"] == pytest.approx(k["ttft_s_mean"] + k["ingest_s_mean"] + k["ops_s_mean"])
 
 

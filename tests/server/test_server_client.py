@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,7 +88,15 @@ def test_errors_come_back_as_kamera_exceptions(live: LiveServer) -> None:
             win.generate(QUESTION, max_new_tokens=10_000)
         with pytest.raises(InvalidInputError, match="unknown policy"):
             remote(live, policy="nope")
+        with pytest.raises(InvalidInputError, match="not set"):  # a set has no order, as in-process
+            win.reorder({a})
+        with pytest.raises(InvalidInputError, match="slide count must be an int"):
+            win.slide(1.0)  # type: ignore[arg-type]
         assert win.chunks == [a]  # refused operations changed nothing
+        b = win.add_text(DOCS[1])
+        assert win.slide(np.int64(1)) == [a]  # numpy ints, as in-process
+        win.recall(a, at=np.int64(0))
+        assert win.chunks == [a, b]
 
 
 def test_generate_matches_an_in_process_window(live: LiveServer, default_engine: Engine) -> None:

@@ -128,7 +128,7 @@ def test_budget_respected_under_random_traffic(proc: ModuleType, eviction: str) 
 def test_bad_arguments(proc: ModuleType) -> None:
     with pytest.raises(InvalidInputError, match="eviction must be one of"):
         MemoryTier(10, "fifo")
-    with pytest.raises(InvalidInputError, match="memory_bytes must be an int >= 0"):
+    with pytest.raises(InvalidInputError, match=r"memory_bytes \(the memory tier.s max_bytes\) must be an int >= 0"):
         MemoryTier(-1)
     with pytest.raises(InvalidInputError, match="EntryKey"):
         MemoryTier(10).pin("x")  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from kamera_engine import KV, UnsupportedModelError
+from kamera_engine import KV, ContextLengthError, UnsupportedModelError
 from kamera_engine.vision.mechanics import noise_image
 from kamera_sdk import ContextWindow, InvalidInputError, Source
 from tests.conftest import tiny_engine as tiny_text_engine
@@ -199,6 +199,15 @@ def test_a_video_with_a_segment_over_budget_adds_nothing(tmp_path_factory: pytes
     with pytest.raises(InvalidInputError, match="does not fit"):
         win.add_video([small, small, big, big], frames_per_segment=2)
     assert win.chunks == [first] and win.evicted == []
+    limit = e.context_length  # the engine is shared: restored below
+    e.context_length = len(e.anchor_ids) + fits  # the big segment's canonical would not fit the context
+    try:
+        unbounded = ContextWindow(e)
+        with pytest.raises(ContextLengthError):
+            unbounded.add_video([small, small, big, big], frames_per_segment=2)
+        assert unbounded.chunks == []
+    finally:
+        e.context_length = limit
 
 
 # --- stateful: the window machine of tests/sdk/test_window_stateful.py over a mixed pool -------------
