@@ -2,13 +2,11 @@
 processes, keyed by content and model fingerprint.
 
 Canonicals are written when a chunk arrives (write-behind) and looked up before any canonical forward;
-patches are written when formed, with a per-chunk index so a new process finds them. A load that fails
-(checksum, fingerprint, I/O, or an entry that does not cover the chunk's tokens) is counted and
-recomputed, never used.
-
-Store entries are immutable, so a new index replaces the old one (delete, then put). Two processes that
-index a new patch of the same chunk at once race: the last write wins, and the other patch stays stored
-but unindexed (a later process forms it again; it is never misused).
+patches are written when formed. A new window finds a chunk's patches by asking the store for every
+variant of that chunk's patch entries (``ChunkStore.variants``): the backend's own records, so patches
+that other processes wrote at the same time are all found, with no shared index to update (an index
+entry rewritten by two processes at once lost one of them). A load that fails (checksum, fingerprint,
+I/O, or an entry that does not cover the chunk's tokens) is counted and recomputed, never used.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ from .chunks import VISION_KINDS, Chunk, StoredPatch, antecedent_signature
 from .stats import WindowStats
 from .store import ChunkStore, EntryKey, EntryKind, StoreEntry
 
-_INDEX = "index"
+#: variant prefix of the per-chunk index entries earlier versions wrote next to the patches
+_LEGACY_INDEX = "index"
 log = logging.getLogger("kamera.store")
 
 
@@ -91,27 +90,17 @@ class Persistence:
             "absorbed": json.dumps(sorted(stored.carried)),
         }
         self.store.put(StoreEntry(self._patch_key(chunk, variant), stored.patch.tensors(), meta))
-        variants = self._index(chunk)
-        if variant not in variants:
-            variants.append(variant)
-            # the index carries no tensor data of its own; safetensors needs one tensor
-            marker = {"n": stored.patch.k_u.new_tensor([len(variants)])}
-            key = self._index_key(chunk)
-            self.store.delete(key)
-            self.store.put(StoreEntry(key, marker, {"variants": json.dumps(variants)}))
 
-    def _index_key(self, chunk: Chunk) -> EntryKey:
-        return self._patch_key(chunk, f"{_INDEX}:a{self.anchor}")
-
-    def _index(self, chunk: Chunk) -> list[str]:
-        """The patch variants stored for ``chunk`` (empty when none is indexed)."""
-        entry = self.store.get(self._index_key(chunk))
-        return json.loads(entry.meta["variants"]) if entry is not None else []
+    def _patch_keys(self, chunk: Chunk) -> list[EntryKey]:
+        """The stored patch entries of ``chunk`` formed after this engine's anchor, in this chunk's frame
+        (older stores' per-chunk index entries are not patches: skipped)."""
+        suffix = f":a{self.anchor}{_frame(chunk)}"
+        keys = self.store.variants(self.fingerprint, EntryKind.PATCH, chunk.id)
+        return [k for k in keys if k.variant.endswith(suffix) and not k.variant.startswith(f"{_LEGACY_INDEX}:")]
 
     def load_patches(self, chunk: Chunk) -> list[StoredPatch]:
-        variants = self._index(chunk)
         out = []
-        for key, entry in self.store.get_many([self._patch_key(chunk, v) for v in variants]).items():
+        for key, entry in self.store.get_many(self._patch_keys(chunk)).items():
             antecedent = tuple(json.loads(entry.meta["antecedent"]))
             patch = Patch.from_tensors(entry.tensors)
             if patch.num_tokens != len(chunk):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol, runtime_checkable
 
-from ._entry import EntryKey, StoreEntry
+from ._entry import EntryKey, EntryKind, StoreEntry
 
 
 @runtime_checkable
@@ -36,6 +36,11 @@ class Backend(Protocol):
     def delete(self, key: EntryKey) -> bool: ...
 
     def keys(self, fingerprint: str | None = None) -> list[EntryKey]: ...
+
+    def variants(self, fingerprint: str, kind: EntryKind, content_hash: str) -> list[EntryKey]:
+        """Every stored key of one model, kind and content (all its variants), from the backend's own
+        records: a new entry is listed once its write has returned, whichever process wrote it."""
+        ...
 
     def total_bytes(self) -> int:
         """Serialized bytes held now."""

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError
 
 from ._backend import Backend
-from ._entry import EntryKey, StoreEntry
+from ._entry import EntryKey, EntryKind, StoreEntry
 from ._eviction import EvictionPolicy
 from ._memory import MemoryTier
 
@@ -142,6 +142,23 @@ class ChunkStore:
         except StoreError as exc:
             log.warning("store: contains(%s) failed: %s", key.digest[:12], exc)
             return False
+
+    def variants(self, fingerprint: str, kind: EntryKind | str, content_hash: str) -> list[EntryKey]:
+        """Every stored key of one model, kind and content (all its variants) in any tier: this process's
+        memory and pending writes, and the backend's own records, so entries other processes wrote are
+        listed too. A backend that cannot be read is logged and counted; its variants are then missed."""
+        self._check_open()
+        kind = EntryKey(fingerprint, kind, content_hash).kind  # validates the three fields
+        with self._lock:
+            local = [k for k in (*self.memory.keys(), *self._pending) if k.content_hash == content_hash]
+        found = {k: None for k in local if k.fingerprint == fingerprint and k.kind == kind}
+        if self.backend is not None:
+            try:
+                found.update(dict.fromkeys(self.backend.variants(fingerprint, kind, content_hash)))
+            except StoreError as exc:
+                log.warning("store: listing the variants of %s failed: %s", content_hash[:12], exc)
+                self._count(load_errors=1)
+        return list(found)
 
     def _get_local(self, key: EntryKey) -> StoreEntry | None:
         with self._lock:

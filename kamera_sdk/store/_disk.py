@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from kamera_engine.errors import ChecksumError, InvalidInputError, StoreError
 
-from ._entry import META_KEY, EntryKey, StoreEntry, decode, header_summary, read_header
+from ._entry import META_KEY, EntryKey, EntryKind, StoreEntry, decode, header_summary, read_header
 
 log = logging.getLogger("kamera.store")
 
@@ -287,6 +287,15 @@ class DiskBackend:
         except sqlite3.Error as exc:
             raise StoreError(f"store index read failed: {exc}") from exc
         return [EntryKey(fingerprint=f, kind=k, content_hash=c, variant=v) for f, k, c, v in rows]
+
+    def variants(self, fingerprint: str, kind: EntryKind, content_hash: str) -> list[EntryKey]:
+        """Every indexed key of one model, kind and content (one indexed query)."""
+        sql = "SELECT variant FROM entries WHERE fingerprint=? AND kind=? AND content_hash=? ORDER BY created_at"
+        try:
+            rows = self._conn().execute(sql, (fingerprint, EntryKind(kind).value, content_hash)).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"store index read failed: {exc}") from exc
+        return [EntryKey(fingerprint, kind, content_hash, v) for (v,) in rows]
 
     def total_bytes(self) -> int:
         try:

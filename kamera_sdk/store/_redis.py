@@ -8,6 +8,9 @@ slot, so the Lua scripts below touch a single slot)::
     kamera:{fp}:lru          sorted set: digest -> logical time of last use (kamera:{fp}:clock)
     kamera:{fp}:sizes        hash: digest -> serialized size (accounting survives TTL expiry)
     kamera:{fp}:bytes        serialized bytes held in this namespace
+    kamera:{fp}:c:<kind>:<content_hash>
+                             set: digests of that content's entries (its variants), added by the put;
+                             members whose entry expired or was evicted are dropped when it is read
 
 Puts, reads and deletes are Lua scripts, so accounting and LRU eviction stay consistent with many writers.
 ``max_bytes`` is a budget per fingerprint namespace. Reads verify the checksum and fingerprint like the
@@ -25,7 +28,7 @@ from typing import Any, ClassVar
 
 from kamera_engine.errors import ChecksumError, InvalidInputError, StoreError
 
-from ._entry import EntryKey, StoreEntry, decode, header_summary, read_header
+from ._entry import EntryKey, EntryKind, StoreEntry, decode, header_summary, read_header
 
 log = logging.getLogger("kamera.store")
 
@@ -33,7 +36,7 @@ log = logging.getLogger("kamera.store")
 DEFAULT_MAX_ENTRY_BYTES = 256 << 20
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
-# KEYS: entry, lru, sizes, bytes, clock
+# KEYS: entry, lru, sizes, bytes, clock, content set
 # ARGV: digest, data, checksum, nbytes, size, created_at, ttl_ms, max_bytes, entry_prefix, kind, content_hash,
 #       variant, tensors
 _PUT = """
@@ -49,6 +52,7 @@ if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 local t = redis.call('INCR', KEYS[5])
 redis.call('ZADD', KEYS[2], t, digest)
 redis.call('HSET', KEYS[3], digest, ARGV[5])
+redis.call('SADD', KEYS[6], digest)
 local total = redis.call('INCRBY', KEYS[4], ARGV[5])
 local budget = tonumber(ARGV[8])
 local evicted = 0
@@ -112,6 +116,10 @@ def _namespace(fingerprint: str) -> str:
     return f"kamera:{{{fingerprint}}}:"
 
 
+def _content_set(key: EntryKey) -> str:
+    return f"{_namespace(key.fingerprint)}c:{key.kind.value}:{key.content_hash}"
+
+
 class RedisBackend:
     """Entries in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` or ``unix://``).
 
@@ -169,7 +177,7 @@ class RedisBackend:
 
     def _keys(self, key: EntryKey) -> list[str]:
         ns = _namespace(key.fingerprint)
-        return [f"{ns}e:{key.digest}", f"{ns}lru", f"{ns}sizes", f"{ns}bytes", f"{ns}clock"]
+        return [f"{ns}e:{key.digest}", f"{ns}lru", f"{ns}sizes", f"{ns}bytes", f"{ns}clock", _content_set(key)]
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -214,6 +222,30 @@ class RedisBackend:
             if kind is None or content is None:
                 continue  # expired between scan and read
             out.append(EntryKey(fp, kind.decode(), content.decode(), (variant or b"").decode()))
+        return out
+
+    def variants(self, fingerprint: str, kind: EntryKind, content_hash: str) -> list[EntryKey]:
+        """Every stored key of one model, kind and content: the members of its content set (a member whose
+        entry is gone, expired or evicted, is dropped from the set here)."""
+        members = self._call("smembers", self.client.smembers, _content_set(EntryKey(fingerprint, kind, content_hash)))
+        if not members:
+            return []
+        ns, digests = _namespace(fingerprint), sorted(m.decode() for m in members)
+
+        def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for d in digests:
+                pipe.hget(f"{ns}e:{d}", "variant")
+            return list(pipe.execute())
+
+        out, gone = [], []
+        for digest, variant in zip(digests, self._call("hget", read), strict=True):
+            if variant is None:
+                gone.append(digest)
+            else:
+                out.append(EntryKey(fingerprint, kind, content_hash, variant.decode()))
+        if gone:
+            self._call("srem", self.client.srem, _content_set(EntryKey(fingerprint, kind, content_hash)), *gone)
         return out
 
     def total_bytes(self, fingerprint: str | None = None) -> int:

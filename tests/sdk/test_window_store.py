@@ -133,6 +133,36 @@ def test_every_patch_of_a_chunk_is_indexed(tmp_path: Path) -> None:
     assert {p.antecedent for p in again.chunk(c).patches} == formed  # both found by a new window
 
 
+def test_patches_two_windows_form_at_once_are_all_found(tmp_path: Path) -> None:
+    """Two windows on one store directory (each its own ChunkStore, as two processes have) form different
+    patches of one chunk after both had read its earlier one: a new window finds all three. A per-chunk
+    index rewritten by each lost the first writer's patch (the second rewrote the index it had read)."""
+    from kamera_sdk import WindowConfig
+
+    engine = tiny_engine("llama", seed=27)
+    cfg = WindowConfig(reorder_patch="exact")
+    path = tmp_path / "s"
+    texts = [random_ids(8, seed=930 + i) for i in range(3)]
+    with ContextWindow(engine, config=cfg, store=path) as first:
+        a, b, c = (first.add(t) for t in texts)
+        first.next_token_logprobs(PROMPT)  # c on (a, b)
+        first.flush()
+    one, two = ContextWindow(engine, config=cfg, store=path), ContextWindow(engine, config=cfg, store=path)
+    for win in (one, two):
+        for t in texts:
+            win.add(t)  # each has read c's stored patches now
+    one.reorder([b, a, c])  # c on (b, a)
+    two.reorder([a, c, b])  # c on (a)
+    for win in (one, two):
+        win.next_token_logprobs(PROMPT)
+        win.flush()
+        win.close()
+    again = ContextWindow(engine, config=cfg, store=path)
+    for t in texts:
+        again.add(t)
+    assert {p.antecedent for p in again.chunk(c).patches} == {(a, b), (b, a), (a,)}
+
+
 def test_an_entry_that_does_not_cover_the_chunk_is_refused(tmp_path: Path) -> None:
     from kamera_sdk.chunks import Chunk
 

@@ -15,6 +15,7 @@ from kamera_sdk.store import (
     ChunkStore,
     DiskBackend,
     EntryKey,
+    EntryKind,
     RedisBackend,
     StoreEntry,
     default_store_path,
@@ -60,6 +61,38 @@ def test_write_behind_serves_pending_then_persists(tmp_path: Path, proc: ModuleT
     assert got is not None and got is not e and proc.same(got, e)
     assert store.stats().backend_hits == 1
     store.close()
+
+
+def test_variants_lists_every_tier_and_other_writers(tmp_path: Path, proc: ModuleType) -> None:
+    """A content's variants: this store's pending writes and memory, and what another store (another
+    process) wrote to the same directory; other contents, kinds and models are not listed."""
+    backend = SlowDisk(tmp_path)
+    backend.gate.clear()
+    store = ChunkStore(memory_bytes=0, backend=backend)  # RAM holds nothing: pending or on disk only
+    other = ChunkStore(backend=DiskBackend(tmp_path), write_behind=False)
+    patch = [proc.make_entry(7, kind="patch", variant=f"v{i}") for i in range(3)]
+    store.put(patch[0])  # pending (the write waits for the gate)
+    other.put(patch[1])  # another writer, on disk now
+    for noise in (
+        proc.make_entry(8, kind="patch"),
+        proc.make_entry(7),
+        proc.make_entry(7, kind="patch", fingerprint=proc.OTHER_FP),
+    ):
+        other.put(noise)
+    fp, content = proc.FP, patch[0].key.content_hash
+    assert {k.variant for k in store.variants(fp, "patch", content)} == {"v0", "v1"}
+    backend.gate.set()
+    store.flush()
+    other.put(patch[2])
+    assert sorted(k.variant for k in store.variants(fp, EntryKind.PATCH, content)) == ["v0", "v1", "v2"]
+    assert sorted(k.variant for k in other.variants(fp, "patch", content)) == ["v0", "v1", "v2"]
+    with ChunkStore() as memory_only:  # no backend: the memory tier alone
+        memory_only.put(patch[1])
+        assert memory_only.variants(fp, "patch", content) == [patch[1].key]
+        with pytest.raises(InvalidInputError):
+            memory_only.variants(fp, "patch", "not hex")
+    store.close()
+    other.close()
 
 
 def test_close_flushes_pending_writes(tmp_path: Path, proc: ModuleType) -> None:

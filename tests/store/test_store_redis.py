@@ -21,7 +21,14 @@ def test_keys_are_namespaced_by_fingerprint(redis_url: str, redis_client: Any, p
     assert backend.put(proc.make_entry(1)) == 0
     ns = f"kamera:{{{proc.FP}}}:"
     assert sorted(k.decode() for k in redis_client.keys("*")) == sorted(
-        [f"{ns}e:{e.key.digest}", f"{ns}lru", f"{ns}sizes", f"{ns}bytes", f"{ns}clock"]
+        [
+            f"{ns}e:{e.key.digest}",
+            f"{ns}lru",
+            f"{ns}sizes",
+            f"{ns}bytes",
+            f"{ns}clock",
+            f"{ns}c:canonical:{e.key.content_hash}",
+        ]
     )
     fields = redis_client.hgetall(f"{ns}e:{e.key.digest}")
     assert fields[b"checksum"].decode() == e.checksum
@@ -132,3 +139,25 @@ def test_password_not_in_messages() -> None:
     with pytest.raises(StoreError) as info:
         RedisBackend("redis://user:s3cret@127.0.0.1:1/0", socket_timeout_s=0.5)
     assert "s3cret" not in str(info.value)
+
+
+def test_variants_lists_every_entry_of_a_content_and_drops_gone_ones(
+    redis_url: str, redis_client: Any, proc: ModuleType
+) -> None:
+    """Two backends (two processes' connections) write variants of one content; either lists them all. An
+    entry deleted behind the set's back (expiry, eviction) is dropped from the set when it is listed."""
+    a, b = RedisBackend(redis_url), RedisBackend(redis_url)
+    ours = [proc.make_entry(1, kind="patch", variant=f"v{i}") for i in range(3)]
+    a.put(ours[0])
+    b.put(ours[1])
+    a.put(ours[2])
+    a.put(proc.make_entry(2, kind="patch"))  # another content
+    a.put(proc.make_entry(1, kind="canonical"))  # another kind
+    a.put(proc.make_entry(1, kind="patch", fingerprint=proc.OTHER_FP))  # another model
+    listed = b.variants(proc.FP, "patch", ours[0].key.content_hash)
+    assert sorted(k.variant for k in listed) == ["v0", "v1", "v2"] and all(k in {e.key for e in ours} for k in listed)
+    redis_client.delete(f"kamera:{{{proc.FP}}}:e:{ours[1].key.digest}")  # gone as an expired entry goes
+    assert sorted(k.variant for k in a.variants(proc.FP, "patch", ours[0].key.content_hash)) == ["v0", "v2"]
+    content_set = f"kamera:{{{proc.FP}}}:c:patch:{ours[0].key.content_hash}"
+    assert redis_client.scard(content_set) == 2  # pruned
+    assert a.variants(proc.FP, "patch", "ab" * 16) == []
