@@ -100,7 +100,10 @@ class Persistence:
 
     def load_patches(self, chunk: Chunk) -> list[StoredPatch]:
         out = []
-        for key, entry in self.store.get_many(self._patch_keys(chunk)).items():
+        found = self.store.get_many(self._patch_keys(chunk)).items()
+        # in the order they were formed, whichever backend listed them: equally good patches are then
+        # chosen the same way everywhere
+        for key, entry in sorted(found, key=lambda item: (item[1].created_at, item[0].variant)):
             antecedent = tuple(json.loads(entry.meta["antecedent"]))
             patch = Patch.from_tensors(entry.tensors)
             if patch.num_tokens != len(chunk):

@@ -155,7 +155,9 @@ class ChunkStore:
         if self.backend is not None:
             try:
                 found.update(dict.fromkeys(self.backend.variants(fingerprint, kind, content_hash)))
-            except StoreError as exc:
+            except InvalidInputError:
+                raise
+            except Exception as exc:  # as a failed load: counted, and the caller recomputes
                 log.warning("store: listing the variants of %s failed: %s", content_hash[:12], exc)
                 self._count(load_errors=1)
         return list(found)

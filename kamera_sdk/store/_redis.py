@@ -8,9 +8,10 @@ slot, so the Lua scripts below touch a single slot)::
     kamera:{fp}:lru          sorted set: digest -> logical time of last use (kamera:{fp}:clock)
     kamera:{fp}:sizes        hash: digest -> serialized size (accounting survives TTL expiry)
     kamera:{fp}:bytes        serialized bytes held in this namespace
-    kamera:{fp}:c:<kind>:<content_hash>
-                             set: digests of that content's entries (its variants), added by the put;
-                             members whose entry expired or was evicted are dropped when it is read
+    kamera:{fp}:c:patch:<content_hash>
+                             set: digests of that content's patch entries (its variants), added by every
+                             put of one; dropped from it by eviction and delete, and, when expired, as the
+                             set is read; it expires with ``ttl_s`` like the entries, refreshed when read
 
 Puts, reads and deletes are Lua scripts, so accounting and LRU eviction stay consistent with many writers.
 ``max_bytes`` is a budget per fingerprint namespace. Reads verify the checksum and fingerprint like the
@@ -36,23 +37,35 @@ log = logging.getLogger("kamera.store")
 DEFAULT_MAX_ENTRY_BYTES = 256 << 20
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
+# Patch entries are listed in their content's set (see ``variants``); this drops an entry from it before
+# the entry goes (entry key, digest, namespace prefix). Redis deletes a set when its last member goes.
+_UNLIST = """
+local function unlist(entry, digest, ns)
+  local f = redis.call('HMGET', entry, 'kind', 'content_hash')
+  if f[1] == 'patch' and f[2] then redis.call('SREM', ns .. 'c:patch:' .. f[2], digest) end
+end
+"""
+
 # KEYS: entry, lru, sizes, bytes, clock, content set
 # ARGV: digest, data, checksum, nbytes, size, created_at, ttl_ms, max_bytes, entry_prefix, kind, content_hash,
 #       variant, tensors
-_PUT = """
+_PUT = _UNLIST + """
 local digest = ARGV[1]
+local ttl = tonumber(ARGV[7])
+if ARGV[10] == 'patch' then  -- listed even when already stored: a set that lost it gets it back
+  redis.call('SADD', KEYS[6], digest)
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[6], ttl) end
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0} end
 local old = redis.call('HGET', KEYS[3], digest)
 if old then redis.call('DECRBY', KEYS[4], old) end
 redis.call('HSET', KEYS[1], 'data', ARGV[2], 'checksum', ARGV[3], 'nbytes', ARGV[4], 'size', ARGV[5],
            'created_at', ARGV[6], 'uses', 0, 'kind', ARGV[10], 'content_hash', ARGV[11], 'variant', ARGV[12],
            'tensors', ARGV[13])
-local ttl = tonumber(ARGV[7])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 local t = redis.call('INCR', KEYS[5])
 redis.call('ZADD', KEYS[2], t, digest)
 redis.call('HSET', KEYS[3], digest, ARGV[5])
-redis.call('SADD', KEYS[6], digest)
 local total = redis.call('INCRBY', KEYS[4], ARGV[5])
 local budget = tonumber(ARGV[8])
 local evicted = 0
@@ -68,6 +81,7 @@ if budget > 0 then
     local s = redis.call('HGET', KEYS[3], d)
     redis.call('HDEL', KEYS[3], d)
     if s then total = redis.call('DECRBY', KEYS[4], s) end
+    unlist(ARGV[9] .. d, d, string.sub(ARGV[9], 1, -3))
     redis.call('DEL', ARGV[9] .. d)
     evicted = evicted + 1
   end
@@ -96,11 +110,12 @@ return v
 """
 
 # KEYS: entry, lru, sizes, bytes; ARGV: digest, checksum ('' = any)
-_DELETE = """
+_DELETE = _UNLIST + """
 if ARGV[2] ~= '' then
   local c = redis.call('HGET', KEYS[1], 'checksum')
   if c and c ~= ARGV[2] then return 0 end
 end
+unlist(KEYS[1], ARGV[1], string.sub(KEYS[2], 1, -4))
 local existed = redis.call('DEL', KEYS[1])
 local s = redis.call('HGET', KEYS[3], ARGV[1])
 if s then
@@ -109,6 +124,18 @@ if s then
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 return existed
+"""
+
+# KEYS: content set; ARGV: entry prefix, ttl_ms. The members whose entry still exists (the others, expired
+# or evicted, are dropped in the same step, so a concurrent put of one of them is never undone).
+_LIST = """
+local out = {}
+for _, d in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. d) == 1 then out[#out + 1] = d else redis.call('SREM', KEYS[1], d) end
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 and #out > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+return out
 """
 
 
@@ -164,6 +191,7 @@ class RedisBackend:
             self._put_script: Callable[..., Any] = self.client.register_script(_PUT)
             self._get_script: Callable[..., Any] = self.client.register_script(_GET)
             self._delete_script: Callable[..., Any] = self.client.register_script(_DELETE)
+            self._list_script: Callable[..., Any] = self.client.register_script(_LIST)
         except (self._redis_error, ValueError) as exc:
             raise StoreError(f"cannot connect to redis at {self._safe_url()}: {exc}") from exc
 
@@ -225,12 +253,15 @@ class RedisBackend:
         return out
 
     def variants(self, fingerprint: str, kind: EntryKind, content_hash: str) -> list[EntryKey]:
-        """Every stored key of one model, kind and content: the members of its content set (a member whose
-        entry is gone, expired or evicted, is dropped from the set here)."""
-        members = self._call("smembers", self.client.smembers, _content_set(EntryKey(fingerprint, kind, content_hash)))
-        if not members:
-            return []
-        ns, digests = _namespace(fingerprint), sorted(m.decode() for m in members)
+        """Every stored patch entry of one model and content: the members of its content set whose entry
+        still exists (the put script lists each patch entry there; the others are dropped as they are
+        read). Only patch entries are listed: ``InvalidInputError`` for another kind."""
+        if EntryKind(kind) is not EntryKind.PATCH:
+            raise InvalidInputError(f"the redis backend lists variants of patch entries only, not {kind!r}")
+        key = EntryKey(fingerprint, EntryKind.PATCH, content_hash)
+        ns = _namespace(fingerprint)
+        members = self._call("list", self._list_script, keys=[_content_set(key)], args=[f"{ns}e:", self._ttl_ms])
+        digests = sorted(m.decode() for m in members)
 
         def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -238,15 +269,8 @@ class RedisBackend:
                 pipe.hget(f"{ns}e:{d}", "variant")
             return list(pipe.execute())
 
-        out, gone = [], []
-        for digest, variant in zip(digests, self._call("hget", read), strict=True):
-            if variant is None:
-                gone.append(digest)
-            else:
-                out.append(EntryKey(fingerprint, kind, content_hash, variant.decode()))
-        if gone:
-            self._call("srem", self.client.srem, _content_set(EntryKey(fingerprint, kind, content_hash)), *gone)
-        return out
+        variants = self._call("hget", read) if digests else []
+        return [EntryKey(fingerprint, EntryKind.PATCH, content_hash, v.decode()) for v in variants if v is not None]
 
     def total_bytes(self, fingerprint: str | None = None) -> int:
         """Serialized bytes held (one namespace, or all Kamera namespaces in this database)."""
@@ -263,8 +287,8 @@ class RedisBackend:
             raise InvalidInputError(f"expected a StoreEntry, got {type(entry).__name__}")
         if entry.nbytes > self.max_entry_bytes:
             raise StoreError(f"entry of {entry.nbytes} bytes exceeds max_entry_bytes={self.max_entry_bytes}")
-        if self.contains(entry.key):
-            return 0
+        if entry.key.kind is not EntryKind.PATCH and self.contains(entry.key):
+            return 0  # (a patch goes through the script, which lists it in its content set even when stored)
         blob = entry.encode()
         return self._write(entry.key, blob, entry.checksum, entry.summary(), entry.nbytes, entry.created_at)
 

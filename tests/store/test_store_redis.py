@@ -21,14 +21,7 @@ def test_keys_are_namespaced_by_fingerprint(redis_url: str, redis_client: Any, p
     assert backend.put(proc.make_entry(1)) == 0
     ns = f"kamera:{{{proc.FP}}}:"
     assert sorted(k.decode() for k in redis_client.keys("*")) == sorted(
-        [
-            f"{ns}e:{e.key.digest}",
-            f"{ns}lru",
-            f"{ns}sizes",
-            f"{ns}bytes",
-            f"{ns}clock",
-            f"{ns}c:canonical:{e.key.content_hash}",
-        ]
+        [f"{ns}e:{e.key.digest}", f"{ns}lru", f"{ns}sizes", f"{ns}bytes", f"{ns}clock"]  # no set: not a patch
     )
     fields = redis_client.hgetall(f"{ns}e:{e.key.digest}")
     assert fields[b"checksum"].decode() == e.checksum
@@ -161,3 +154,24 @@ def test_variants_lists_every_entry_of_a_content_and_drops_gone_ones(
     content_set = f"kamera:{{{proc.FP}}}:c:patch:{ours[0].key.content_hash}"
     assert redis_client.scard(content_set) == 2  # pruned
     assert a.variants(proc.FP, "patch", "ab" * 16) == []
+    redis_client.delete(content_set)  # a set that lost its members (or an entry stored before sets)
+    assert b.variants(proc.FP, "patch", ours[0].key.content_hash) == []
+    assert b.put(ours[0]) == 0  # already stored: nothing written, but listed again
+    assert b.variants(proc.FP, "patch", ours[0].key.content_hash) == [ours[0].key]
+    assert a.delete(ours[0].key) and not redis_client.exists(content_set)  # delete unlists; empty set goes
+    with pytest.raises(InvalidInputError, match="patch entries only"):
+        a.variants(proc.FP, "canonical", ours[0].key.content_hash)
+
+
+def test_evicted_patches_leave_their_content_set_and_sets_expire(
+    redis_url: str, redis_client: Any, proc: ModuleType
+) -> None:
+    size = len(proc.make_entry(1, kind="patch").encode())
+    backend = RedisBackend(redis_url, max_bytes=2 * size + size // 2, ttl_s=60)
+    first, second, third = (proc.make_entry(i, kind="patch") for i in (1, 2, 3))
+    for e in (first, second, third):  # the third evicts the first (LRU)
+        backend.put(e)
+    ns = f"kamera:{{{proc.FP}}}:"
+    assert not redis_client.exists(f"{ns}c:patch:{first.key.content_hash}")
+    assert backend.variants(proc.FP, "patch", third.key.content_hash) == [third.key]
+    assert 0 < redis_client.pttl(f"{ns}c:patch:{third.key.content_hash}") <= 60_000  # no set outlives ttl_s
