@@ -32,9 +32,9 @@ from kamera_sdk import (
     TextStream,
     WindowConfig,
 )
+from kamera_sdk.chat_format import ChatFormat
 
 from ._conversation import Conversation, SyncReport, stats_delta
-from ._format import ChatFormat
 from ._messages import message_role, message_text
 
 #: Name reported before the default engine is loaded (``Engine.load()`` names it the same).

@@ -1,8 +1,13 @@
 """OpenAI-compatible chat completions over a window: each message is a chunk.
 
-Every message but the last becomes one text chunk, ``"<role>: <content>"`` (and each image part one
-image chunk in front of it); the last message's content is the prompt, placed in the chat template's
-user turn. The window is synced to the message list on every request: chunks of messages that left
+The engine's frame leaves a user turn open after its anchor (``generate`` puts documents and a question
+there). Every message but the last becomes one text chunk that closes the turn in front and opens its
+own in the chat template's markers (``<|im_end|>\\n<|im_start|>system\\nBe terse.`` for ChatML; see
+``OpenTurnFormat``), so the model reads a conversation, and a message's chunk is the same text wherever
+it lands. A message with images is its turn's opening, then one image chunk per image, then its text.
+The last message is the prompt: its own turn after earlier messages, or the open turn's text alone.
+Without a usable template, messages are ``"<role>: <content>"`` paragraphs inside the open turn. The
+window is synced to the message list on every request: chunks of messages that left
 the list are evicted, new ones added, and the order fixed by a reorder, so a growing or trimmed history
 reuses every chunk it still holds instead of prefilling it again. Because the window equals the
 messages after the sync, a window shared by one ``user`` value never leaks other requests' content
@@ -12,11 +17,13 @@ into an answer.
 from __future__ import annotations
 
 import binascii
+import weakref
 from dataclasses import dataclass
 
 from kamera_engine import Engine, InvalidInputError, SamplingParams
 from kamera_engine.decode import TextStream, stop_strings
 
+from ..chat_format import OpenTurnFormat
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .ops import Limits, add_image, check_tokens, decode_image
@@ -28,8 +35,19 @@ DEFAULT_MAX_TOKENS = 256
 Item = str | bytes  # one chunk to be: text, or an image's bytes
 
 
-def message_items(message: ChatMessage, limits: Limits) -> list[Item]:
-    """The chunks of one (non-final) message: its images, then ``"<role>: <text>"``."""
+_FORMATS: weakref.WeakKeyDictionary[Engine, OpenTurnFormat | None] = weakref.WeakKeyDictionary()
+
+
+def turn_format(engine: Engine) -> OpenTurnFormat | None:
+    """The engine's message format (read off its chat template once), or None for the plain one."""
+    if engine not in _FORMATS:
+        _FORMATS[engine] = OpenTurnFormat.for_engine(engine)
+    return _FORMATS[engine]
+
+
+def message_items(message: ChatMessage, limits: Limits, fmt: OpenTurnFormat | None) -> list[Item]:
+    """The chunks of one (non-final) message: its turn's opening, its images, its text (``fmt``); or,
+    without a template, its images, then ``"<role>: <text>"`` as a paragraph."""
     images: list[bytes] = []
     texts: list[str] = []
     if isinstance(message.content, str):
@@ -47,8 +65,14 @@ def message_items(message: ChatMessage, limits: Limits) -> list[Item]:
             raise InvalidInputError("each tool_calls entry needs a 'function' object with 'name' and 'arguments'")
         calls = ", ".join(f"{f.get('name', '?')}({f.get('arguments', '')})" for f in fns)
         text = f"{text}\n[tool calls: {calls}]" if text else f"[tool calls: {calls}]"
+    if fmt is not None:
+        if message.name is not None and text.strip():
+            text = f"{message.name}: {text}"
+        if images:
+            return [fmt.opening(message.role), *images, *([text] if text.strip() else [])]
+        return [fmt.turn(message.role, text)] if text.strip() else []
     role = message.role if message.name is None else f"{message.role} ({message.name})"
-    return [*images, f"{role}: {text}"] if text.strip() else list(images)
+    return [*images, f"{role}: {text}\n\n"] if text.strip() else list(images)
 
 
 def prompt_text(message: ChatMessage) -> str:
@@ -150,8 +174,12 @@ def start_chat(
 
     ``win=None``: a window for this request only.
     """
-    items = [item for m in req.messages[:-1] for item in message_items(m, limits)]
-    prompt = prompt_text(req.messages[-1])
+    fmt = turn_format(engine)
+    items = [item for m in req.messages[:-1] for item in message_items(m, limits, fmt)]
+    last = req.messages[-1]
+    prompt = prompt_text(last)
+    if fmt is not None and items:  # a turn of its own after the others
+        prompt = fmt.turn(last.role, prompt if last.name is None else f"{last.name}: {prompt}")
     prompt_ids = engine.prompt_ids(prompt)
     anchor = len(engine.anchor_ids)
     text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))

@@ -49,7 +49,9 @@ end
 # KEYS: entry, lru, sizes, bytes, clock, content set
 # ARGV: digest, data, checksum, nbytes, size, created_at, ttl_ms, max_bytes, entry_prefix, kind, content_hash,
 #       variant, tensors
-_PUT = _UNLIST + """
+_PUT = (
+    _UNLIST
+    + """
 local digest = ARGV[1]
 local ttl = tonumber(ARGV[7])
 if ARGV[10] == 'patch' then  -- listed even when already stored: a set that lost it gets it back
@@ -88,6 +90,7 @@ if budget > 0 then
 end
 return {1, evicted}
 """
+)
 
 # KEYS: entry, lru, sizes, bytes, clock; ARGV: digest, ttl_ms
 _GET = """
@@ -110,7 +113,9 @@ return v
 """
 
 # KEYS: entry, lru, sizes, bytes; ARGV: digest, checksum ('' = any)
-_DELETE = _UNLIST + """
+_DELETE = (
+    _UNLIST
+    + """
 if ARGV[2] ~= '' then
   local c = redis.call('HGET', KEYS[1], 'checksum')
   if c and c ~= ARGV[2] then return 0 end
@@ -125,6 +130,7 @@ end
 redis.call('ZREM', KEYS[2], ARGV[1])
 return existed
 """
+)
 
 # KEYS: content set; ARGV: entry prefix, ttl_ms. The members whose entry still exists (the others, expired
 # or evicted, are dropped in the same step, so a concurrent put of one of them is never undone).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 
 from kamera_sdk.server import create_app
+from kamera_sdk.server.chat import turn_format
 from tests.conftest import tiny_chat_engine
 from tests.server.conftest import run_server
 
@@ -54,9 +55,11 @@ def test_requests_are_held_to_the_model_context() -> None:
 
         # a session with a token budget: the sync slides the history out, so what the window will hold is
         # known only then, and a request that fits once the budget has acted is served
-        long_tokens = len(engine.tokenize("user: " + "More. " * 40))
+        fmt = turn_format(engine)
+        assert fmt is not None  # the default model's chat template
+        long_tokens = len(engine.tokenize(fmt.turn("user", "More. " * 40)))
         budget_sid = c.post("/v1/sessions", json={"budget_tokens": long_tokens}).json()["id"]
-        served = len(engine.anchor_ids) + long_tokens + len(engine.prompt_ids("Q?"))
+        served = len(engine.anchor_ids) + long_tokens + len(engine.prompt_ids(fmt.turn("user", "Q?")))
         engine.context_length = served + 2
         r = c.post("/v1/chat/completions", json={"messages": longer, "session": budget_sid, "max_tokens": 2})
         assert r.status_code == 200, r.text
@@ -77,5 +80,5 @@ def test_cached_tokens_count_a_new_message_as_computed_once() -> None:
         usage = c.post("/v1/chat/completions", json={"messages": grown, **body}).json()["usage"]
         # the kept message and the anchor are served; the new message was compiled and prefilled in
         # context (two passes over the same tokens), and counts as computed once
-        kept = len(engine.tokenize("user: " + first[0]["content"]))
+        kept = len(engine.tokenize(turn_format(engine).turn("user", first[0]["content"])))  # type: ignore[union-attr]
         assert usage["prompt_tokens_details"]["cached_tokens"] == len(engine.anchor_ids) + kept

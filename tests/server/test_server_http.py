@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from kamera_engine import Engine
 from kamera_sdk import ContextWindow
+from kamera_sdk.server.chat import turn_format
 from tests.server.conftest import MAX_BODY, LiveServer, make_app
 
 pytestmark = pytest.mark.slow
@@ -167,11 +168,15 @@ def test_openai_chat_completions(http: httpx.Client, default_engine: Engine) -> 
     usage = body["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
     assert 0 < usage["completion_tokens"] <= 8
-    # the same content as an in-process window: each earlier message one chunk, the last one the prompt
+    # the same content as an in-process window: each earlier message one chunk, a turn of the chat
+    # template closing the one in front; the last one the prompt, a turn of its own
+    fmt = turn_format(default_engine)
+    assert fmt is not None and fmt.turn("system", "x") == "<|im_end|>\n<|im_start|>system\nx"
     local = ContextWindow(default_engine)
     for m in MESSAGES[:-1]:
-        local.add_text(f"{m['role']}: {m['content']}")
-    assert choice["message"]["content"] == local.generate(MESSAGES[-1]["content"], max_new_tokens=8)
+        local.add_text(fmt.turn(m["role"], m["content"]))
+    answer = local.generate(fmt.turn("user", MESSAGES[-1]["content"]), max_new_tokens=8)
+    assert choice["message"]["content"] == answer
     # streaming: OpenAI chunks, the same text, usage on request, then [DONE]
     r = chat(http, messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

@@ -145,3 +145,38 @@ def test_a_stream_cut_before_its_end_is_an_error_not_a_short_answer() -> None:
     assert sent[-1]["stop"] == ["full"]  # one stop string, not its letters
     with pytest.raises(RemoteError, match="cut before its end"):
         list(win.generate("q", stream=True))
+
+
+def test_chat_messages_become_template_turns() -> None:
+    """Each earlier message closes the open turn in front and opens its own, in the template's markers;
+    images sit between their turn's opening and its text; no template, no tokenizer: plain paragraphs."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from kamera_sdk.chat_format import OpenTurnFormat
+    from kamera_sdk.server.chat import message_items
+    from kamera_sdk.server.ops import Limits
+    from kamera_sdk.server.schemas import ChatMessage
+    from tests.conftest import tiny_chat_engine, tiny_engine
+
+    engine = tiny_chat_engine()  # the default model's tokenizer and ChatML template
+    fmt = OpenTurnFormat.for_engine(engine)
+    assert fmt is not None
+    assert engine.tokenize(fmt.turn("user", "Hi")) == engine.tokenize("<|im_end|>\n<|im_start|>user\nHi")
+    assert fmt.turn("developer", "x") == fmt.turn("system", "x")  # OpenAI's developer is the system role
+    assert fmt.turn("critic", "x") == "<|im_end|>\n<|im_start|>user\n[critic] x"  # a role the template lacks
+    limits = Limits()
+    named = ChatMessage(role="user", content="Hello", name="ada")
+    assert message_items(named, limits, fmt) == ["<|im_end|>\n<|im_start|>user\nada: Hello"]
+    assert message_items(ChatMessage(role="assistant", content=None), limits, fmt) == []
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    items = message_items(ChatMessage(role="user", content=parts), limits, fmt)
+    assert items[0] == fmt.opening("user") and isinstance(items[1], bytes) and items[2] == "What is it?"
+    assert OpenTurnFormat.for_engine(tiny_engine("llama")) is None  # no tokenizer
+    plain = message_items(named, limits, None)
+    assert plain == ["user (ada): Hello\n\n"]

@@ -4,7 +4,13 @@ A chat transcript is a run of self-contained turns (``<|im_start|>user\\n...<|im
 so each turn can be its own position-free chunk: reusable wherever it lands in the window. This module
 reads the per-role markers off the template by rendering sentinel messages and taking differences, so
 any template that renders a message independently of its neighbours works; others fall back to a plain
-``Role: text`` format. No langchain import here: the mapping is usable by other adapters too.
+``Role: text`` format.
+
+Two framings use it. ``ChatFormat``: the window's anchor stops before any turn (ChatKamera's chat
+engine), and a message is ``<header>text<footer>``. ``OpenTurnFormat``: the anchor is the engine's
+default frame, which leaves a user turn open (documents and a question sit in it, as ``generate``
+does), and a message is ``<footer><header>text``: it closes the turn in front and opens its own (the
+engine server's chat endpoint).
 """
 
 from __future__ import annotations
@@ -89,3 +95,46 @@ def _markers(render: Callable[..., str]) -> dict[str, tuple[str, str]]:
     if "user" not in out:
         raise ValueError("the chat template does not render a user turn on its own")
     return out
+
+
+#: OpenAI roles the templates know under another name.
+_ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTurnFormat:
+    """Turns for a window behind an anchor that leaves a user turn open.
+
+    A message becomes ``<footer><header>text``: the footer closes the turn in front (every role's footer
+    is the same in the templates this serves), the header opens the message's own. The text is the same
+    wherever the message lands, so it is reused as a position-free chunk. A role the template does not
+    render is sent as a tagged user turn.
+    """
+
+    footer: str
+    headers: dict[str, str]
+
+    def opening(self, role: str) -> str:
+        """The footer of the turn in front and the header of this role's turn (the text, or an image, follows)."""
+        header = self.headers.get(_ROLE_ALIASES.get(role, role))
+        return self.footer + (header if header is not None else f"{self.headers['user']}[{role}] ")
+
+    def turn(self, role: str, text: str) -> str:
+        """A whole message as chunk text."""
+        return self.opening(role) + text
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> OpenTurnFormat | None:
+        """The format for ``engine``'s default frame, or None when its chat template cannot give one (no
+        template, footers that differ by role, or an anchor that does not end in the user header)."""
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            return None
+        fmt = ChatFormat.from_tokenizer(tokenizer)
+        footers = {footer for _, footer in fmt.markers.values()}
+        if fmt.source != "template" or len(footers) != 1:
+            return None
+        user_header = fmt.markers["user"][0]
+        if engine.tokenize(fmt.anchor + user_header) != list(engine.anchor_ids):
+            return None
+        return cls(footer=footers.pop(), headers={role: header for role, (header, _) in fmt.markers.items()})
