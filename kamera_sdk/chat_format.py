@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_A = "\x1fKAMERA_SENTINEL_A\x1f"
-_B = "\x1fKAMERA_SENTINEL_B\x1f"
+# letters only: templates that trim message content (Llama 3's ``| trim``) keep them whole
+_A = "KAMERASENTINELAXQZ"
+_B = "KAMERASENTINELBXQZ"
+_X = "KAMERASENTINELXXQZ"
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -79,19 +81,21 @@ class ChatFormat:
 
 
 def _markers(render: Callable[..., str]) -> dict[str, tuple[str, str]]:
-    """role -> (header, footer): the difference a turn of that role makes after a user turn."""
-    base = render([{"role": "user", "content": _A}])
+    """role -> (header, footer): the difference a turn of that role makes after a user turn, or, for a
+    template that insists on alternating roles, after a user and an assistant turn."""
+    user, assistant = {"role": "user", "content": _A}, {"role": "assistant", "content": _X}
     out: dict[str, tuple[str, str]] = {}
     for role in ROLES:
-        try:
-            full = render([{"role": "user", "content": _A}, {"role": role, "content": _B}])
-        except Exception:  # the template refuses this role here (e.g. strict alternation)
-            continue
-        if not full.startswith(base):
-            continue
-        header, sep, footer = full[len(base) :].partition(_B)
-        if sep:
-            out[role] = (header, footer)
+        for before in ([user], [user, assistant]):
+            try:
+                base = render(before)
+                full = render([*before, {"role": role, "content": _B}])
+            except Exception:  # the template refuses this role here (e.g. strict alternation)
+                continue
+            header, sep, footer = full[len(base) :].partition(_B) if full.startswith(base) else ("", "", "")
+            if sep:
+                out[role] = (header, footer)
+                break
     if "user" not in out:
         raise ValueError("the chat template does not render a user turn on its own")
     return out
@@ -105,8 +109,8 @@ _ROLE_ALIASES = {"developer": "system"}
 class OpenTurnFormat:
     """Turns for a window behind an anchor that leaves a user turn open.
 
-    A message becomes ``<footer><header>text``: the footer closes the turn in front (every role's footer
-    is the same in the templates this serves), the header opens the message's own. The text is the same
+    A message becomes ``<footer><header>text``: the footer (the user turn's, which the engine's prompt
+    suffix also closes with) closes the turn in front, the header opens the message's own. The text is the same
     wherever the message lands, so it is reused as a position-free chunk. A role the template does not
     render is sent as a tagged user turn.
     """
@@ -126,15 +130,19 @@ class OpenTurnFormat:
     @classmethod
     def for_engine(cls, engine: Any) -> OpenTurnFormat | None:
         """The format for ``engine``'s default frame, or None when its chat template cannot give one (no
-        template, footers that differ by role, or an anchor that does not end in the user header)."""
+        template, or an anchor and prompt suffix that are not this template's open user turn)."""
         tokenizer = getattr(engine, "tokenizer", None)
         if tokenizer is None:
             return None
         fmt = ChatFormat.from_tokenizer(tokenizer)
-        footers = {footer for _, footer in fmt.markers.values()}
-        if fmt.source != "template" or len(footers) != 1:
+        if fmt.source != "template":
             return None
-        user_header = fmt.markers["user"][0]
+        user_header, footer = fmt.markers["user"]
         if engine.tokenize(fmt.anchor + user_header) != list(engine.anchor_ids):
-            return None
-        return cls(footer=footers.pop(), headers={role: header for role, (header, _) in fmt.markers.items()})
+            return None  # the engine's frame is not this template's open user turn
+        if engine.tokenize(footer + fmt.generation) != list(engine.prompt_suffix_ids):
+            return None  # nor does its prompt close that turn and open the assistant's
+        # roles whose turn ends as the user's does (Qwen's tool turn does not): the others are sent
+        # as tagged user turns
+        headers = {role: header for role, (header, end) in fmt.markers.items() if end == footer}
+        return cls(footer=footer, headers=headers)

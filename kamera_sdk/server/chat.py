@@ -177,9 +177,9 @@ def start_chat(
     fmt = turn_format(engine)
     items = [item for m in req.messages[:-1] for item in message_items(m, limits, fmt)]
     last = req.messages[-1]
-    prompt = prompt_text(last)
+    prompt = prompt_text(last) if last.name is None else f"{last.name}: {prompt_text(last)}"
     if fmt is not None and items:  # a turn of its own after the others
-        prompt = fmt.turn(last.role, prompt if last.name is None else f"{last.name}: {prompt}")
+        prompt = fmt.turn(last.role, prompt)
     prompt_ids = engine.prompt_ids(prompt)
     anchor = len(engine.anchor_ids)
     text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))

@@ -92,7 +92,7 @@ return {1, evicted}
 """
 )
 
-# KEYS: entry, lru, sizes, bytes, clock; ARGV: digest, ttl_ms
+# KEYS: entry, lru, sizes, bytes, clock, content set; ARGV: digest, ttl_ms
 _GET = """
 local v = redis.call('HMGET', KEYS[1], 'data', 'checksum', 'created_at', 'uses')
 if not v[1] then
@@ -108,7 +108,10 @@ local t = redis.call('INCR', KEYS[5])
 redis.call('ZADD', KEYS[2], t, ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'uses', 1)
 local ttl = tonumber(ARGV[2])
-if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[6], ttl)  -- a patch's content set lives as long as its entries (0 if none)
+end
 return v
 """
 

@@ -174,4 +174,8 @@ def test_evicted_patches_leave_their_content_set_and_sets_expire(
     ns = f"kamera:{{{proc.FP}}}:"
     assert not redis_client.exists(f"{ns}c:patch:{first.key.content_hash}")
     assert backend.variants(proc.FP, "patch", third.key.content_hash) == [third.key]
-    assert 0 < redis_client.pttl(f"{ns}c:patch:{third.key.content_hash}") <= 60_000  # no set outlives ttl_s
+    content_set = f"{ns}c:patch:{third.key.content_hash}"
+    assert 0 < redis_client.pttl(content_set) <= 60_000  # no set outlives ttl_s
+    redis_client.pexpire(content_set, 1_000)
+    assert backend.get(third.key) is not None
+    assert redis_client.pttl(content_set) > 1_000  # a read renews the set with the entry
