@@ -250,18 +250,18 @@ class Engine:
             value = limit
         self._context_length = value
 
-    def check_length(self, positions: int, *, new_tokens: int = 0) -> None:
+    def check_length(self, positions: int, *, new_tokens: int = 0, answer_field: str = "max_new_tokens") -> None:
         """Refuse ``positions`` tokens of context plus ``new_tokens`` to decode when together they exceed
         ``context_length`` (``ContextLengthError``), before any work is done. Every decoded token counts,
         the last one too, though it is never fed back: the rule OpenAI's API states (prompt + max_tokens
-        within the context)."""
+        within the context). ``answer_field``: what the caller calls the answer's length, for the message."""
         limit = self.context_length
         if limit is None or positions + new_tokens <= limit:
             return
         asked = f"{positions} tokens" + (f" + {new_tokens} to generate" if new_tokens else "")
         raise ContextLengthError(
             f"{self.name}: {asked} exceed the model's context length of {limit} "
-            "(slide or evict chunks, shorten the prompt or lower max_new_tokens; "
+            f"(slide or evict chunks, shorten the prompt or lower {answer_field}; "
             "assign engine.context_length to extrapolate on purpose)"
         )
 

@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default=None, help="HF id or local path (default: the embedded SmolLM2-135M)")
     common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     common.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    report = argparse.ArgumentParser(add_help=False)  # commands that print a result (not serve)
-    report.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    as_json = argparse.ArgumentParser(add_help=False)  # commands that print a result (not serve)
+    as_json.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    report = argparse.ArgumentParser(add_help=False, parents=[as_json])  # ... and have a shorter run
     report.add_argument("--quick", action="store_true", help="a shorter run (fewer probes / steps)")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -132,12 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(
-        "doctor", parents=[common, report], help="versions, device, attention backend, default model"
+        "doctor", parents=[common, as_json], help="versions, device, attention backend, default model"
     )
     doctor.set_defaults(func=cmd_doctor)
     serve = sub.add_parser("serve", parents=[common], help="run one engine behind an HTTP API (sessions = windows)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8765)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8765, help="TCP port, 0 for a free one (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     serve.set_defaults(func=cmd_serve)

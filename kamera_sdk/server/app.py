@@ -347,7 +347,7 @@ def create_app(
                 found = sessions.add(ContextWindow(engine, store=state.store), key=key, kind="chat")
             window = found.window
         start = await worker.run(chat_ops.start_chat, engine, window, req, params, limits)
-        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), req.model or engine.name
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             body = _sse_chat(worker, start, cid, created, model, include_usage)

@@ -164,7 +164,7 @@ def _fit_answer(engine: Engine, req: ChatCompletionRequest, params: SamplingPara
     limit = engine.context_length
     if limit is not None and _asked_max_tokens(req) is None:
         params.max_new_tokens = max(1, min(params.max_new_tokens, limit - positions))
-    engine.check_length(positions, new_tokens=params.max_new_tokens)
+    engine.check_length(positions, new_tokens=params.max_new_tokens, answer_field="max_tokens")
 
 
 def start_chat(

@@ -71,3 +71,17 @@ def test_serve_refuses_the_report_flags_it_would_ignore(flag: str, capsys) -> No
         build_parser().parse_args(["serve", flag])
     assert exc.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
     assert build_parser().parse_args(["bench", "window", flag, "--model", "m"]).model == "m"
+
+
+def test_doctor_takes_json_but_not_quick(capsys) -> None:
+    assert build_parser().parse_args(["doctor", "--json"]).json
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["doctor", "--quick"])  # it has no shorter run: refused, not ignored
+    assert exc.value.code == 2 and "unrecognized arguments: --quick" in capsys.readouterr().err
+
+
+def test_serve_help_shows_its_defaults(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 127.0.0.1)" in out and "(default: 8765)" in out

@@ -31,6 +31,7 @@ def test_requests_are_held_to_the_model_context() -> None:
         error = r.json()["error"]
         assert error["type"] == "ContextLengthError"
         assert f"{used} tokens + 6 to generate exceed the model's context length of {used + 5}" in error["message"]
+        assert "lower max_tokens" in error["message"]  # the chat request's own field
 
         longer = [*history, {"role": "user", "content": "More. " * 40}, {"role": "user", "content": "Q?"}]
         r = c.post("/v1/chat/completions", json={"messages": longer, "user": "u"})

@@ -163,6 +163,7 @@ def test_openai_chat_completions(http: httpx.Client, default_engine: Engine) -> 
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == "SmolLM2-135M-Instruct"  # the model that answered, not the name asked for
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
     usage = body["usage"]
