@@ -149,8 +149,9 @@ class ChunkStore:
         listed too. A backend that cannot be read is logged and counted; its variants are then missed."""
         self._check_open()
         kind = EntryKey(fingerprint, kind, content_hash).kind  # validates the three fields
-        with self._lock:
-            local = [k for k in (*self.memory.keys(), *self._pending) if k.content_hash == content_hash]
+        with self._lock:  # memory by its per-content index; pending writes are the few in flight
+            pending = [k for k in self._pending if k.content_hash == content_hash]
+            local = [*self.memory.variants(fingerprint, kind.value, content_hash), *pending]
         found = {k: None for k in local if k.fingerprint == fingerprint and k.kind == kind}
         if self.backend is not None:
             try:

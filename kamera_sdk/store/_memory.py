@@ -31,6 +31,7 @@ class MemoryTier:
         self._entries: dict[EntryKey, StoreEntry] = {}
         self._res: dict[EntryKey, Residency] = {}
         self._pins: Counter[EntryKey] = Counter()
+        self._by_content: dict[tuple[str, str, str], set[EntryKey]] = {}  # for ``variants``
         self._bytes = 0
         self._clock = 0
         self._lock = threading.RLock()
@@ -61,6 +62,11 @@ class MemoryTier:
         with self._lock:
             return list(self._entries)
 
+    def variants(self, fingerprint: str, kind: str, content_hash: str) -> list[EntryKey]:
+        """The resident keys of one model, kind and content (no scan of the tier)."""
+        with self._lock:
+            return list(self._by_content.get((fingerprint, kind, content_hash), ()))
+
     @property
     def nbytes(self) -> int:
         """Bytes of tensors resident now."""
@@ -79,6 +85,7 @@ class MemoryTier:
             if not self._pins[key] and not self._make_room(entry.nbytes):
                 return False
             self._entries[key] = entry
+            self._by_content.setdefault(_content(key), set()).add(key)
             self._clock += 1
             self._res[key] = Residency(tick=self._clock, uses=1, nbytes=entry.nbytes)
             self._bytes += entry.nbytes
@@ -92,6 +99,10 @@ class MemoryTier:
                 return False
             del self._res[key]
             self._bytes -= entry.nbytes
+            same = self._by_content[_content(key)]
+            same.discard(key)
+            if not same:
+                del self._by_content[_content(key)]
             return True
 
     def clear(self) -> None:
@@ -155,3 +166,7 @@ class MemoryTier:
             self.discard(key)
             self.evictions += 1
         return self._bytes + need <= self.max_bytes
+
+
+def _content(key: EntryKey) -> tuple[str, str, str]:
+    return key.fingerprint, key.kind.value, key.content_hash

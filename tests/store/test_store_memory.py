@@ -134,3 +134,22 @@ def test_bad_arguments(proc: ModuleType) -> None:
         MemoryTier(10).pin("x")  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="StoreEntry"):
         MemoryTier(10).put(EntryKey(proc.FP, "canonical", "aa"))  # type: ignore[arg-type]
+
+
+def test_variants_follow_admission_eviction_and_discard(proc: ModuleType) -> None:
+    """The tier's per-content index (what ChunkStore.variants reads instead of scanning the tier)."""
+    a, b = (proc.make_entry(1, kind="patch", variant=v) for v in ("x", "y"))
+    other = proc.make_entry(2, kind="patch")
+    tier = MemoryTier(a.nbytes + b.nbytes)  # room for two
+    for e in (a, b):
+        assert tier.put(e)
+    content = a.key.content_hash
+    assert sorted(k.variant for k in tier.variants(proc.FP, "patch", content)) == ["x", "y"]
+    assert tier.variants(proc.FP, "canonical", content) == [] and tier.variants(proc.OTHER_FP, "patch", content) == []
+    tier.get(b.key)  # a is now the least recently used
+    assert tier.put(other)  # evicts a
+    assert tier.variants(proc.FP, "patch", content) == [b.key]
+    tier.discard(b.key)
+    assert tier.variants(proc.FP, "patch", content) == [] and tier._by_content == {
+        (proc.FP, "patch", other.key.content_hash): {other.key}
+    }
