@@ -296,10 +296,19 @@ class RedisBackend:
             raise InvalidInputError(f"expected a StoreEntry, got {type(entry).__name__}")
         if entry.nbytes > self.max_entry_bytes:
             raise StoreError(f"entry of {entry.nbytes} bytes exceeds max_entry_bytes={self.max_entry_bytes}")
-        if entry.key.kind is not EntryKind.PATCH and self.contains(entry.key):
-            return 0  # (a patch goes through the script, which lists it in its content set even when stored)
+        if self.contains(entry.key):
+            if entry.key.kind is EntryKind.PATCH:  # stored already: make sure its content set lists it
+                self._call("relist", self._relist, entry.key)
+            return 0
         blob = entry.encode()
         return self._write(entry.key, blob, entry.checksum, entry.summary(), entry.nbytes, entry.created_at)
+
+    def _relist(self, key: EntryKey) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.sadd(_content_set(key), key.digest)
+        if self._ttl_ms:
+            pipe.pexpire(_content_set(key), self._ttl_ms)
+        pipe.execute()
 
     def put_blob(self, key: EntryKey, blob: bytes) -> int:
         """Store serialized bytes under ``key`` unchanged (reads verify them). 0 if already stored."""
