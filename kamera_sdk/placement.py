@@ -4,12 +4,15 @@ Because reorder is cheap, a window's contents are a set and their order is a fre
 objective is the work the next use would do: the tokens that must be prefilled in context (slots the
 plan serves with FORWARD) for a candidate order; ties are broken by the number of chunks that move
 (fewer is better, so answers stay stable) and then by the current order. Orders are searched
-exhaustively up to ``EXHAUSTIVE_MAX`` chunks and greedily (best next chunk) beyond.
+exhaustively up to ``EXHAUSTIVE_MAX`` chunks. Beyond, three starts are scored (the current order; the
+order the chunks were conditioned in, each by the size of the antecedent it was formed on; a greedy
+best-next-chunk build) and the best is improved by moving one chunk at a time while that lowers the cost.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from .chunks import ChunkId
 from .plan import Source
@@ -39,6 +42,17 @@ def best_order(view: WindowView, policy: ReusePolicy) -> list[ChunkId]:
 
     if len(current) <= EXHAUSTIVE_MAX:
         return min((list(p) for p in itertools.permutations(current)), key=key)
+    by_id = {s.chunk_id: s for s in view.slots}
+    # where each chunk was conditioned: after as many chunks as its KV was formed on (new ones last)
+    formed = sorted(
+        current, key=lambda c: len(by_id[c].antecedent or ()) if by_id[c].materialised() else len(current)
+    )
+    best = min((current, formed, _greedy(current, key)), key=key)
+    return _improve(best, key)
+
+
+def _greedy(current: list[ChunkId], key: Callable[[list[ChunkId]], tuple[int, int]]) -> list[ChunkId]:
+    """Build the order one chunk at a time, each the best next one (the rest kept in the current order)."""
     order: list[ChunkId] = []
     rest = list(current)
     while rest:
@@ -46,3 +60,20 @@ def best_order(view: WindowView, policy: ReusePolicy) -> list[ChunkId]:
         order.append(nxt)
         rest.remove(nxt)
     return order
+
+
+def _improve(order: list[ChunkId], key: Callable[[list[ChunkId]], tuple[int, int]]) -> list[ChunkId]:
+    """Move one chunk to another place while that lowers the cost (at most one pass per chunk)."""
+    best, best_key = order, key(order)
+    for _ in range(len(order)):
+        moved = False
+        for i, j in itertools.permutations(range(len(best)), 2):
+            trial = [c for k, c in enumerate(best) if k != i]
+            trial.insert(j, best[i])
+            trial_key = key(trial)
+            if trial_key < best_key:
+                best, best_key, moved = trial, trial_key, True
+                break
+        if not moved:
+            break
+    return best

@@ -126,6 +126,21 @@ def test_reorder_auto_minimises_forward_tokens(engine) -> None:
     assert win.plan().forward_tokens() == 0
 
 
+def test_reorder_auto_finds_the_free_order_beyond_the_exhaustive_search(engine) -> None:
+    """Nine chunks (past the exhaustive search of six): a shuffle would re-prefill most of them; auto
+    finds an order with nothing to prefill, and its search time counts in the reorder timing."""
+    win = ContextWindow(engine)
+    ids = [win.add(random_ids(6, seed=700 + i)) for i in range(9)]
+    win.next_token_logprobs(PROMPT)
+    shuffled = [ids[i] for i in (4, 7, 1, 8, 0, 3, 6, 2, 5)]
+    win.reorder(shuffled)
+    assert win.plan().forward_tokens() > 0
+    before = win.stats().timings["reorder"].total_s
+    order = win.reorder("auto")
+    assert sorted(order) == sorted(ids) and win.plan().forward_tokens() == 0
+    assert win.stats().timings["reorder"].total_s - before > 0.001  # the search ran inside the timing
+
+
 def test_orbit_patch_serves_a_reordered_set(engine) -> None:
     cfg = WindowConfig(reorder_patch="orbit", rank=8)
     win = ContextWindow(engine, config=cfg)
