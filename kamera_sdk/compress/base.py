@@ -8,6 +8,7 @@ cache after each decode step (``after_step``).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -46,8 +47,9 @@ class CompressionPolicy:
     observation: int = 32
 
     def __post_init__(self) -> None:
-        if not 0 < self.budget <= 1:
-            raise InvalidInputError(f"kv_budget must be in (0, 1], got {self.budget}")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Real) or not 0 < self.budget <= 1:
+            raise InvalidInputError(f"kv_budget must be a number in (0, 1], got {self.budget!r}")
+        self.budget = float(self.budget)
 
     def kept(self, n_tokens: int) -> int:
         """Tokens kept out of ``n_tokens`` under the budget."""

@@ -96,3 +96,21 @@ def test_compressed_window_decodes_and_reports_bytes() -> None:
         ContextWindow(engine, compress="elastic")
     with pytest.raises(InvalidInputError, match="unknown compression"):
         ContextWindow(engine, compress="zip", kv_budget=0.5)
+
+
+def test_a_budget_that_cannot_hold_the_protected_tokens_is_refused() -> None:
+    """DAVID always keeps the prompt's last queries; a budget below them is refused when the window is
+    compressed (naming both numbers), not decoded with part of the prompt dropped."""
+    engine = tiny_engine("qwen2", seed=2)
+    win = ContextWindow(engine, compress="david", kv_budget=0.01)
+    for i in range(3):
+        win.add(random_ids(20, seed=810 + i))
+    with pytest.raises(InvalidInputError, match=r"kv_budget=0.01 keeps 1 of this window's \d+ tokens, fewer than"):
+        win.compress_window(PROMPT)  # what generate decodes from
+    assert len(win.chunks) == 3
+
+
+@pytest.mark.parametrize("bad", ["0.2", True, float("nan"), None])
+def test_kv_budget_must_be_a_number(bad) -> None:
+    with pytest.raises(InvalidInputError, match="kv_budget"):
+        ContextWindow(tiny_engine("qwen2", seed=2), compress="david", kv_budget=bad)
