@@ -8,8 +8,11 @@ operation (reorder, evict, recall, slide) can be replayed on the baseline unchan
 from __future__ import annotations
 
 import argparse
+import atexit
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -33,6 +36,13 @@ def load_engine(device: str | None = None) -> Engine:
     """The embedded default model (SmolLM2-135M-Instruct)."""
     print("loading the embedded default model ...", file=sys.stderr, flush=True)
     return Engine.load(device=device)
+
+
+def scratch_dir(prefix: str) -> str:
+    """A temporary directory removed when the process exits (a tiny model built for one run)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def sentences(text: str, n: int | None) -> str:

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from _common import SideBySide, arg_parser, load_engine
+from _common import SideBySide, arg_parser, load_engine, scratch_dir
 
 from kamera_engine import Engine
 from kamera_engine.vision import VisionEngine
@@ -100,7 +99,7 @@ def load(args: argparse.Namespace) -> Engine:
     if args.tiny_vlm:
         from kamera_engine.vision.tiny import build_tiny_vlm
 
-        path = build_tiny_vlm(args.tiny_vlm, tempfile.mkdtemp(prefix="kamera-gui-agent-"))
+        path = build_tiny_vlm(args.tiny_vlm, scratch_dir("kamera-gui-agent-"))
         return VisionEngine.load(path, device=args.device or "cpu", dtype="float32")
     return load_engine(args.device)
 

@@ -19,9 +19,8 @@ patched, encoded). A real checkpoint (``--model``, an id or a local path) gives 
 from __future__ import annotations
 
 import sys
-import tempfile
 
-from _common import SideBySide, arg_parser
+from _common import SideBySide, arg_parser, scratch_dir
 from PIL import Image, ImageDraw
 
 from kamera_engine.vision import VisionEngine
@@ -45,7 +44,7 @@ def load(args) -> VisionEngine:
         return VisionEngine.load(args.model, device=args.device)
     from kamera_engine.vision.tiny import build_tiny_vlm
 
-    path = build_tiny_vlm(args.family, tempfile.mkdtemp(prefix="kamera-video-agent-"))
+    path = build_tiny_vlm(args.family, scratch_dir("kamera-video-agent-"))
     print(f"built a tiny random {args.family} at {path}", file=sys.stderr, flush=True)
     return VisionEngine.load(path, device=args.device or "cpu", dtype="float32")
 

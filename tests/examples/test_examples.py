@@ -23,7 +23,7 @@ def _has_chat_kamera() -> bool:
         return False
 
 
-def run_example(name: str, *extra: str) -> str:
+def run_example(name: str, *extra: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), "--short", *extra],
         cwd=EXAMPLES.parent,
@@ -32,7 +32,7 @@ def run_example(name: str, *extra: str) -> str:
         timeout=300,
         # one torch thread unless told otherwise: on a shared CI runner, intra-op threads that compete with
         # other jobs for the cores make every forward many times slower (measured 20x on a loaded 2-core VM)
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
     )
     assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert SAVED in proc.stdout, f"{name} did not print what it saved:\n{proc.stdout[-3000:]}"
@@ -51,11 +51,18 @@ def test_gui_agent_short_on_accessibility_text() -> None:
     assert "slide" in out
 
 
-def test_gui_agent_short_on_screenshots_with_a_tiny_vlm() -> None:
-    out = run_example("gui_agent.py", "--tiny-vlm", "qwen2_vl")
+def test_gui_agent_short_on_screenshots_with_a_tiny_vlm(tmp_path: Path) -> None:
+    out = run_example("gui_agent.py", "--tiny-vlm", "qwen2_vl", env={"TMPDIR": str(tmp_path)})
     assert "screenshots (add_image)" in out
     assert "slide" in out
     assert "vision tower runs: 3 for 3 distinct screens" in out
+    assert not list(tmp_path.glob("kamera-gui-agent-*"))
+
+
+def test_video_agent_short_leaves_no_temporary_model_behind(tmp_path: Path) -> None:
+    out = run_example("video_agent.py", env={"TMPDIR": str(tmp_path)})
+    assert "vision tower runs: 4 for 4 distinct segments" in out
+    assert not list(tmp_path.glob("kamera-video-agent-*"))  # the tiny model it built is removed at exit
 
 
 @pytest.mark.skipif(not _has_chat_kamera(), reason="kamera_langchain has no ChatKamera yet (or langchain-core missing)")
