@@ -6,7 +6,8 @@ plan serves with FORWARD) for a candidate order; ties are broken by the number o
 (fewer is better, so answers stay stable) and then by the current order. Orders are searched
 exhaustively up to ``EXHAUSTIVE_MAX`` chunks. Beyond, three starts are scored (the current order; the
 order the chunks were conditioned in, each by the size of the antecedent it was formed on; a greedy
-best-next-chunk build) and the best is improved by moving one chunk at a time while that lowers the cost.
+best-next-chunk build) and the best is improved by moving one chunk at a time while that lowers the
+prefill (at most ``IMPROVE_PLANS`` orders tried).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .plan import Source
 from .policies.base import ReusePolicy, WindowView
 
 EXHAUSTIVE_MAX = 6
+#: orders the local search beyond EXHAUSTIVE_MAX tries at most (one plan each)
+IMPROVE_PLANS = 2000
 
 
 def order_cost(view: WindowView, order: list[ChunkId], policy: ReusePolicy) -> int:
@@ -42,11 +45,18 @@ def best_order(view: WindowView, policy: ReusePolicy) -> list[ChunkId]:
 
     if len(current) <= EXHAUSTIVE_MAX:
         return min((list(p) for p in itertools.permutations(current)), key=key)
+    if key(current) == (0, 0):
+        return current  # nothing to prefill and nothing moved: no order does better
     by_id = {s.chunk_id: s for s in view.slots}
-    # where each chunk was conditioned: after as many chunks as its KV was formed on (new ones last)
-    formed = sorted(
-        current, key=lambda c: len(by_id[c].antecedent or ()) if by_id[c].materialised() else len(current)
-    )
+    here = set(current)
+
+    def conditioned_at(c: ChunkId) -> tuple[int, int]:
+        """Where a chunk was conditioned: after the chunks still here that its KV was formed on (new ones
+        last)."""
+        slot = by_id[c]
+        return (0, sum(1 for a in slot.antecedent or () if a in here)) if slot.materialised() else (1, 0)
+
+    formed = sorted(current, key=conditioned_at)
     best = min((current, formed, _greedy(current, key)), key=key)
     return _improve(best, key)
 
@@ -62,18 +72,24 @@ def _greedy(current: list[ChunkId], key: Callable[[list[ChunkId]], tuple[int, in
     return order
 
 
-def _improve(order: list[ChunkId], key: Callable[[list[ChunkId]], tuple[int, int]]) -> list[ChunkId]:
-    """Move one chunk to another place while that lowers the cost (at most one pass per chunk)."""
+def _improve(
+    order: list[ChunkId], key: Callable[[list[ChunkId]], tuple[int, int]], budget: int = IMPROVE_PLANS
+) -> list[ChunkId]:
+    """Move one chunk to another place while that lowers the cost, trying at most ``budget`` orders (each
+    is one plan of the window) so a long window's search stays bounded."""
     best, best_key = order, key(order)
-    for _ in range(len(order)):
-        moved = False
+    tried = 0
+    while best_key > (0, 0) and tried < budget:
         for i, j in itertools.permutations(range(len(best)), 2):
             trial = [c for k, c in enumerate(best) if k != i]
             trial.insert(j, best[i])
+            tried += 1
             trial_key = key(trial)
             if trial_key < best_key:
-                best, best_key, moved = trial, trial_key, True
+                best, best_key = trial, trial_key
                 break
-        if not moved:
-            break
+            if tried >= budget:
+                break
+        else:
+            break  # a full pass without a better order: a local optimum
     return best

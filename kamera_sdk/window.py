@@ -450,6 +450,7 @@ class ContextWindow:
         self._check_length(ids, max_new_tokens)
         if self.engine.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
+        self._check_compression(ids)
         plan, execution = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
@@ -468,6 +469,7 @@ class ContextWindow:
             raise WindowOperationError("this window has no compression policy (pass compress=...)")
         ids = self._prompt_ids(prompt)
         self._check_length(ids)
+        self._check_compression(ids)
         plan, execution = self._materialise()
         window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
         vision = torch.tensor(
@@ -684,6 +686,11 @@ class ContextWindow:
         """The anchor, the window, the prompt and ``new_tokens`` of answer must fit the model's context
         (``ContextLengthError`` before anything is assembled)."""
         self.engine.check_length(len(self.engine.anchor_ids) + self.tokens + len(ids), new_tokens=new_tokens)
+
+    def _check_compression(self, ids: list[int]) -> None:
+        """A budget too small for what the compression policy always keeps is refused before any work."""
+        if self.compressor is not None:
+            self.compressor.check(len(self.engine.anchor_ids) + self.tokens + len(ids), len(ids))
 
     def _count_prompt(self, ids: list[int], t0: float, *, own_forward: bool = True) -> None:
         self._stats.forwards += own_forward  # a prompt fused into the window's forward ran no pass of its own

@@ -50,10 +50,30 @@ class CompressionPolicy:
         if isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Real) or not 0 < self.budget <= 1:
             raise InvalidInputError(f"kv_budget must be a number in (0, 1], got {self.budget!r}")
         self.budget = float(self.budget)
+        if isinstance(self.observation, bool) or not isinstance(self.observation, int) or self.observation < 1:
+            raise InvalidInputError(f"observation must be an int >= 1, got {self.observation!r}")
 
     def kept(self, n_tokens: int) -> int:
         """Tokens kept out of ``n_tokens`` under the budget."""
         return max(1, round(self.budget * n_tokens))
+
+    def protected(self, n_tokens: int, n_prompt: int) -> tuple[int, str]:
+        """How many of ``n_tokens`` (the window and a prompt of ``n_prompt``) this policy always keeps, and
+        which: the first and last token (statistics over every query), or the prompt's last queries."""
+        if self.needs == "all":
+            return min(2, n_tokens), "the first and last token"
+        r = min(self.observation, n_prompt)
+        return r, f"the prompt's last {r} tokens"
+
+    def check(self, n_tokens: int, n_prompt: int) -> None:
+        """Refuse a budget that cannot hold the tokens this policy always keeps (``InvalidInputError``),
+        before any work: the window, its prompt and its answer stay as they were."""
+        kept, (must, which) = self.kept(n_tokens), self.protected(n_tokens, n_prompt)
+        if kept < must:
+            raise InvalidInputError(
+                f"kv_budget={self.budget:g} keeps {kept} of this window's {n_tokens} tokens, fewer than the "
+                f"{must} {self.name} always keeps ({which}); raise kv_budget"
+            )
 
     def compress(self, inp: CompressionInput) -> KV:
         raise NotImplementedError

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kamera_engine import KV, Engine, InvalidInputError, SamplingParams
+from kamera_engine import KV, Engine, SamplingParams
 from kamera_engine.adapters.base import capture_queries
 from kamera_engine.attention_stats import attention_probs_sum
 from kamera_engine.decode import decode_tokens
@@ -42,6 +42,7 @@ def prefill_compressed(
     tokens."""
     parts = past_parts(past)
     start = sum(len(p) for p in parts)
+    policy.check(start + len(prompt_ids), len(prompt_ids))  # before any forward
     with capture_queries(engine.model) as prompt_q:
         res = engine.forward(prompt_ids, parts, start, logits="last")
     full = KV.cat([*parts, res.kv.to("cpu")])
@@ -66,12 +67,6 @@ def prefill_compressed(
         protected[[0, -1]] = True
     else:
         protected[-len(q_pos) :] = True
-    kept, must = policy.kept(n_tok), int(protected.sum())
-    if kept < must:  # the budget cannot hold what the policy always keeps: refused, not silently broken
-        raise InvalidInputError(
-            f"kv_budget={policy.budget:g} keeps {kept} of this window's {n_tok} tokens, fewer than the {must} "
-            f"{policy.name} always keeps (the prompt's last queries or the first and last tokens); raise kv_budget"
-        )
     vis = torch.zeros(n_tok, dtype=torch.bool)
     if vision is not None:
         vis[: len(vision)] = vision

@@ -147,6 +147,16 @@ if ttl > 0 and #out > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 return out
 """
 
+# KEYS: entry, content set; ARGV: digest, ttl_ms. Lists a stored entry in its set in one step (an entry
+# evicted meanwhile is written again by the caller, not listed while absent).
+_RELIST = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SADD', KEYS[2], ARGV[1])
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+return 1
+"""
+
 
 def _namespace(fingerprint: str) -> str:
     return f"kamera:{{{fingerprint}}}:"
@@ -201,6 +211,7 @@ class RedisBackend:
             self._get_script: Callable[..., Any] = self.client.register_script(_GET)
             self._delete_script: Callable[..., Any] = self.client.register_script(_DELETE)
             self._list_script: Callable[..., Any] = self.client.register_script(_LIST)
+            self._relist_script: Callable[..., Any] = self.client.register_script(_RELIST)
         except (self._redis_error, ValueError) as exc:
             raise StoreError(f"cannot connect to redis at {self._safe_url()}: {exc}") from exc
 
@@ -296,19 +307,18 @@ class RedisBackend:
             raise InvalidInputError(f"expected a StoreEntry, got {type(entry).__name__}")
         if entry.nbytes > self.max_entry_bytes:
             raise StoreError(f"entry of {entry.nbytes} bytes exceeds max_entry_bytes={self.max_entry_bytes}")
-        if self.contains(entry.key):
-            if entry.key.kind is EntryKind.PATCH:  # stored already: make sure its content set lists it
-                self._call("relist", self._relist, entry.key)
+        if entry.key.kind is EntryKind.PATCH:
+            if self._call("relist", self._relist, entry.key):  # stored already: now listed in its set
+                return 0
+        elif self.contains(entry.key):
             return 0
         blob = entry.encode()
         return self._write(entry.key, blob, entry.checksum, entry.summary(), entry.nbytes, entry.created_at)
 
-    def _relist(self, key: EntryKey) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(_content_set(key), key.digest)
-        if self._ttl_ms:
-            pipe.pexpire(_content_set(key), self._ttl_ms)
-        pipe.execute()
+    def _relist(self, key: EntryKey) -> bool:
+        """List a stored patch entry in its content set; False (nothing done) when it is not stored."""
+        keys = [self._keys(key)[0], _content_set(key)]
+        return bool(self._relist_script(keys=keys, args=[key.digest, self._ttl_ms]))
 
     def put_blob(self, key: EntryKey, blob: bytes) -> int:
         """Store serialized bytes under ``key`` unchanged (reads verify them). 0 if already stored."""

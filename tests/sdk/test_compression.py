@@ -105,9 +105,14 @@ def test_a_budget_that_cannot_hold_the_protected_tokens_is_refused() -> None:
     win = ContextWindow(engine, compress="david", kv_budget=0.01)
     for i in range(3):
         win.add(random_ids(20, seed=810 + i))
-    with pytest.raises(InvalidInputError, match=r"kv_budget=0.01 keeps 1 of this window's \d+ tokens, fewer than"):
+    forwards = win.stats().forwards
+    with pytest.raises(InvalidInputError, match=r"keeps 1 of this window's \d+ tokens, fewer than the 5 david"):
         win.compress_window(PROMPT)  # what generate decodes from
-    assert len(win.chunks) == 3
+    assert len(win.chunks) == 3 and win.stats().forwards == forwards  # refused before any work
+    elastic = ContextWindow(engine, compress="elastic", kv_budget=1e-9)
+    elastic.add(random_ids(5, seed=1))
+    with pytest.raises(InvalidInputError, match=r"fewer than the 2 elastic always keeps \(the first and last token\)"):
+        elastic.compress_window(PROMPT)
 
 
 @pytest.mark.parametrize("bad", ["0.2", True, float("nan"), None])
