@@ -1,4 +1,4 @@
-"""Selective recompute: rerun chosen tokens of an assembled window in context (CacheBlend, MPIC).
+"""Selective recompute: rerun chosen tokens, or chosen layers, of an assembled window in context.
 
 The token-axis baselines start from the same relocated canonical KV as Kamera and recompute a subset of
 tokens *in context*: each selected token runs through the layers attending to the whole window, and its
@@ -9,6 +9,9 @@ fresh K/V overwrite the cached ones. Two selections:
   used for attention there but not stored), the ``ratio`` of candidates whose fresh key at
   ``check_layer`` deviates most from the cached key is kept, and only those continue; their K/V overwrite
   the cache from ``check_layer`` on.
+
+Along the layer axis, ``reprefill_from_layer`` is the paper's partial re-prefill (appendices B-D: keep a
+chunk's shallow layers, re-prefill the deep ones in context), measured by ``kamera bench operator``.
 
 The layers are driven one by one with a cache object that scatters the selected rows into the window.
 """
@@ -61,10 +64,19 @@ class RecomputeResult:
     selected: torch.Tensor  # absolute positions that were recomputed (at ``check_layer`` and deeper)
 
 
-def _mask(query_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive causal mask (1, 1, q, N): a query attends to every key at or before its position."""
+def _mask(
+    query_pos: torch.Tensor, n_keys: int, dtype: torch.dtype, *, isolate: tuple[int, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Additive causal mask (1, 1, q, N): a query attends to every key at or before its position.
+
+    ``isolate=(anchor_len, span_start)``: a query also sees nothing between the anchor and the start of
+    its own span (``span_start``: (q,) per query), as if its chunk followed the anchor alone.
+    """
     keys = torch.arange(n_keys)
-    allowed = keys[None, :] <= query_pos[:, None]
+    allowed = keys[None, :] <= query_pos[:, None]  # (q, N)
+    if isolate is not None:
+        anchor_len, span_start = isolate
+        allowed &= (keys[None, :] < anchor_len) | (keys[None, :] >= span_start[:, None])
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
@@ -107,32 +119,81 @@ def recompute_tokens(
     cache = ScatterCache(window.to(device), cand.to(device), persist_from=0 if check_layer is None else check_layer)
     rotary = adapter.rotary_module(model)
     pos = cand
+    mask = _mask(pos, n, hidden.dtype).to(device)
     first = 0
     if check_layer is not None:
         for layer in range(check_layer):
-            hidden = _run(layers[layer], hidden, pos, n, cache, rotary, adapter, device)
+            hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, adapter, device)
         # probe the check layer with every candidate (not stored) to measure key deviation
         cache.persist_from = check_layer + 1
-        _run(layers[check_layer], hidden, pos, n, cache, rotary, adapter, device)
+        _run(layers[check_layer], hidden, pos, mask, cache, rotary, adapter, device)
         fresh = cache.captured[check_layer][0]  # (H, n, D)
         cached = window.keys[check_layer][cand].transpose(0, 1).to(fresh.device)  # (n, H, D) -> (H, n, D)
         deviation = (fresh.float() - cached.float()).norm(dim=(0, 2))  # (n,)
         keep = max(1, round(ratio * cand.numel()))
         top = torch.topk(deviation, keep).indices.sort().values.cpu()
         pos = cand[top]
+        mask = _mask(pos, n, hidden.dtype).to(device)
         hidden = hidden[:, top.to(device)]
         cache.index = pos.to(device)
         cache.persist_from = check_layer
         first = check_layer
     for layer in range(first, len(layers)):
-        hidden = _run(layers[layer], hidden, pos, n, cache, rotary, adapter, device)
+        hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, adapter, device)
     return RecomputeResult(cache.to_kv(torch.arange(n)), pos)
 
 
-def _run(layer, hidden, pos, n_keys, cache, rotary, adapter, device):  # type: ignore[no-untyped-def]
+@torch.inference_mode()
+def reprefill_from_layer(
+    engine: object, window: KV, token_ids: Sequence[int], spans: Sequence[range], from_layer: int, anchor_len: int
+) -> KV:
+    """Partial re-prefill: ``spans`` keep the K/V ``window`` holds for them (their relocated canonicals)
+    in the layers below ``from_layer`` and are re-prefilled in context from ``from_layer`` on.
+
+    Below ``from_layer`` a span's tokens run isolated from their antecedent (they see the anchor and their
+    own span, as their canonical did, at their own positions: the paper's 4D-mask isolation, §2), so
+    ``from_layer`` receives the chunk's context-free hidden state; from there on they attend to the whole
+    window and overwrite their K/V. ``from_layer=0`` is a re-prefill of the spans, ``from_layer`` = the
+    number of layers changes nothing. window: placed at 0..N-1 (anchor included); token_ids: its N ids;
+    spans: sorted, disjoint, behind the anchor. Returns the window with the spans' K/V replaced.
+    """
+    model = engine.model  # type: ignore[attr-defined]
+    adapter = engine.adapter  # type: ignore[attr-defined]
+    layers = adapter.layers(model)
+    n = len(window)
+    if window.positions is None or not torch.equal(window.positions, torch.arange(n)):
+        raise InvalidInputError("partial re-prefill wants a window placed at positions 0..N-1")
+    if len(token_ids) != n:
+        raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
+    if not 0 <= from_layer <= len(layers):
+        raise InvalidInputError(f"from_layer must be in [0, {len(layers)}], got {from_layer}")
+    ordered = [s for s in spans if len(s)]
+    if any(s.step != 1 for s in ordered):
+        raise InvalidInputError("spans must be contiguous ranges")
+    bounds = [anchor_len] + [b for s in ordered for b in (s.start, s.stop)] + [n]
+    if bounds != sorted(bounds):
+        raise InvalidInputError(f"spans must be sorted, disjoint and inside [{anchor_len}, {n}), got {list(spans)}")
+    if not ordered or from_layer == len(layers):
+        return window
+    pos = torch.cat([torch.arange(s.start, s.stop) for s in ordered])
+    span_start = torch.cat([torch.full((len(s),), s.start) for s in ordered])
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    hidden = model.get_input_embeddings()(ids[pos].to(device))[None]  # (1, n_span, hidden)
+    cache = ScatterCache(window.to(device), pos.to(device), persist_from=from_layer)
+    rotary = adapter.rotary_module(model)
+    isolated = _mask(pos, n, hidden.dtype, isolate=(anchor_len, span_start)).to(device)
+    in_context = _mask(pos, n, hidden.dtype).to(device)
+    for layer in range(len(layers)):
+        mask = isolated if layer < from_layer else in_context
+        hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, adapter, device)
+    return cache.to_kv(torch.arange(n))
+
+
+def _run(layer, hidden, pos, mask, cache, rotary, adapter, device):  # type: ignore[no-untyped-def]
+    """One decoder layer over the running tokens at ``pos`` (``mask``: additive, (1, 1, q, N))."""
     position_ids = pos[None].to(device)
     pe = rotary(hidden, position_ids)
-    mask = _mask(pos, n_keys, hidden.dtype).to(device)
     out = layer(
         hidden,
         attention_mask=mask,

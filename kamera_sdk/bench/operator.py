@@ -15,12 +15,15 @@ import torch
 
 from kamera_engine import KV, Engine, apply_patch, fused_apply
 from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
+from kamera_engine.selective import reprefill_from_layer
 
 from ..console import err, track
 from .corpus import Probe, load_corpus
 from .metrics import eta, kl, mean, timed
 
 RANKS = (8, 16, 32, 64)
+#: Partial re-prefill: fractions of the layers kept from the canonicals (the shallowest ones).
+SHALLOW_FRACTIONS = (0.0, 0.1, 0.25, 0.5)
 TARGETS = (None, 1000, 4000, 8000)  # None = the canonical's own place, right after the anchor
 LENGTHS = (256, 1024, 2048)
 
@@ -81,6 +84,16 @@ class _ProbeRun:
     def blind(self) -> torch.Tensor:
         return self.logprobs([self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)])
 
+    def partial(self, from_layer: int) -> torch.Tensor:
+        """Chunks behind the first keep their canonicals below ``from_layer`` and are re-prefilled in
+        context from there on (the paper's partial re-prefill, appendices B-D)."""
+        blind = [self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)]
+        window = KV.cat([self.e.anchor_kv, *blind])
+        ids = self.e.anchor_ids + [t for c in self.chunks for t in c]
+        spans = [range(s, s + len(c)) for s, c in zip(self.starts[1:], self.chunks[1:], strict=True)]
+        placed = reprefill_from_layer(self.e, window, ids, spans, from_layer, len(self.e.anchor_ids))
+        return self.e.next_token_logprobs(placed, self.q, len(placed))
+
     def patched(self, rank: int, layers: list[int] | None = None) -> torch.Tensor:
         served = [self.e.apply(self.can[0], None, self.starts[0])]
         for i in range(1, len(self.chunks)):
@@ -91,6 +104,8 @@ class _ProbeRun:
 
 def fidelity(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
     blind, by_rank, deep = [], {r: [] for r in RANKS}, []
+    shallow = sorted({round(f * engine.num_layers) for f in SHALLOW_FRACTIONS})
+    partial: dict[int, list[float]] = {k: [] for k in shallow}
     flips, restored = 0, {r: 0 for r in RANKS}
     for probe in track(probes, "fidelity probes"):
         run = _ProbeRun(engine, probe)
@@ -103,12 +118,18 @@ def fidelity(engine: Engine, probes: list[Probe]) -> dict[str, Any]:
             by_rank[r].append(kl(run.ref, lp))
             restored[r] += flip and int(lp.argmax()) == int(run.ref.argmax())
         deep.append(kl(run.ref, run.patched(32, engine.deep_layers(0.5))))
+        for k in shallow:
+            partial[k].append(kl(run.ref, run.partial(k)))
     kb = mean(blind)
     return {
         "blind_kl": kb,
         "patch_kl": {str(r): mean(v) for r, v in by_rank.items()},
         "eta": {str(r): eta(mean(v), kb) for r, v in by_rank.items()},
         "eta_deep_half_rank32": eta(mean(deep), kb),
+        # {shallow layers kept from the canonical: KL}; the forward then costs (layers - k) / layers
+        "num_layers": engine.num_layers,
+        "partial_reprefill_kl": {str(k): mean(v) for k, v in partial.items()},
+        "partial_reprefill_eta": {str(k): eta(mean(v), kb) for k, v in partial.items()},
         "blind_flips": flips,
         "flip_recover": {str(r): (restored[r] / flips if flips else None) for r in RANKS},
         "probes": len(probes),
