@@ -8,6 +8,9 @@ tokens prefilled, next-token KL to ``recompute`` and whether the greedy 16-token
 ``recompute``'s. Work off the answer's path is timed too: ingest (a new page's canonical, compiled at
 arrival) and ops (the slide, recall and reorder calls, which also form the patches set aside at the last
 use), so that step time (ingest + ops + TTFT) counts everything a policy spends per step.
+
+``ttft_floor`` times, in the same run, what no policy that conditions new material exactly can skip: each
+step's new or recalled pages prefilled over the exact window in front of them, and the prompt.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from typing import Any
 
 import torch
 
-from kamera_engine import Engine
+from kamera_engine import KV, Engine
 
 from ..config import WindowConfig
 from ..console import err, track
 from ..window import ContextWindow
 from .corpus import Page, Question, load_corpus
-from .metrics import kl, mean, timed
+from .metrics import kl, mean
 
 POLICIES = ("recompute", "prefix", "blind", "cacheblend", "mpic", "kamera")
 #: Extra arms: a policy under a non-default config, reported next to the policies.
@@ -146,6 +149,8 @@ def run_trace(
         p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": []} for p in policies
     }
     per_step: list[dict[str, Any]] = []
+    floor: dict[str, list] = {"ttft": [], "tokens": []}
+    before: set[str] = set()
     for step in track(trace, "window trace"):
         lps: dict[str, torch.Tensor] = {}
         answers: dict[str, str] = {}
@@ -160,12 +165,21 @@ def run_trace(
         for p in policies:
             rows[p]["kl"].append(kl(lps["recompute"], lps[p]))
             rows[p]["match"].append(answers[p].strip() == answers["recompute"].strip())
+        win = next(iter(wins.values()))  # every policy holds the same chunks in the same order
+        chunks = [win.chunk(c).token_ids for c in win.chunks]
+        floor_s, floor_tokens = floor_step(
+            engine, chunks, [c not in before for c in win.chunks], engine.prompt_ids(step.question)
+        )
+        floor["ttft"].append(floor_s)
+        floor["tokens"].append(floor_tokens)
+        before = set(win.chunks)
         per_step.append(
             {
                 "step": step.index,
                 "kind": step.kind,
                 "ops": step.describe(),
                 "ttft_s": {p: rows[p]["ttft"][-1] for p in policies},
+                "ttft_floor_s": floor_s,
                 "kl": {p: rows[p]["kl"][-1] for p in policies},
                 "answer": answers,
             }
@@ -189,39 +203,61 @@ def run_trace(
             "kl_max": max(rows[p]["kl"]),
         }
     result["steps"] = per_step
-    if "prefix" in result and "kamera" in result:
-        result["kamera_ttft_over_prefix"] = result["kamera"]["ttft_s_mean"] / result["prefix"]["ttft_s_mean"]
-        result["kamera_ttft_over_prefix_by_kind"] = {
-            kind: mean([r["ttft_s"]["kamera"] for r in rows_k]) / mean([r["ttft_s"]["prefix"] for r in rows_k])
-            for kind in ("first", "slide", "recall", "rerank")
-            if (rows_k := [r for r in per_step if r["kind"] == kind])
-        }
+    result["ttft_floor"] = {"ttft_s_mean": mean(floor["ttft"]), "prefill_tokens": sum(floor["tokens"])}
+    if "prefix" in result:
+        for name in [n for n in ("kamera", "floor") if n == "floor" or n in result]:
+            result[f"{name}_ttft_over_prefix"] = _over_prefix(per_step, name)
+            result[f"{name}_ttft_over_prefix_by_kind"] = {
+                kind: _over_prefix(rows_k, name)
+                for kind in ("first", "slide", "recall", "rerank")
+                if (rows_k := [r for r in per_step if r["kind"] == kind])
+            }
     return result
 
 
-def slide_floor(engine: Engine, step: Step, repeats: int = 3) -> dict[str, float]:
-    """What a slide step cannot go below: prefilling the new page (and the question) over the other pages,
-    against prefilling the whole window, side by side (best of ``repeats``). The new page's conditioning
-    needs its forward in context (the paper's open problem is estimating it without one)."""
-    pages = [arg.text + "\n\n" for op, arg in step.ops if op == "add"]
-    if len(pages) < 2:
-        raise ValueError("slide_floor needs a step that adds at least two pages")
-    ids = [engine.tokenize(t) for t in pages]
-    q = engine.prompt_ids(step.question)
-    a = len(engine.anchor_ids)
-    old = [t for page in ids[:-1] for t in page]
-    past = engine.forward(old, engine.anchor_kv, a, logits="none").kv
-    window = [engine.anchor_kv, past]
+def _over_prefix(steps: list[dict[str, Any]], name: str) -> float:
+    """Mean TTFT of ``name`` (a policy, or ``floor``) over prefix's, on ``steps``."""
+    ttft = [r["ttft_floor_s"] if name == "floor" else r["ttft_s"][name] for r in steps]
+    return mean(ttft) / mean([r["ttft_s"]["prefix"] for r in steps])
 
-    new_s = timed(lambda: engine.forward(ids[-1] + q, window, a + len(old)), repeat=repeats, warmup=0, reduce=min)
-    full_s = timed(lambda: engine.forward(old + ids[-1] + q, engine.anchor_kv, a), repeat=repeats, warmup=0, reduce=min)
-    return {
-        "new_page_tokens": len(ids[-1]),
-        "window_tokens": len(old) + len(ids[-1]),
-        "new_page_forward_s": new_s,
-        "window_prefill_s": full_s,
-        "ratio": new_s / full_s,
-    }
+
+def floor_step(engine: Engine, chunks: list[list[int]], new: list[bool], prompt: list[int]) -> tuple[float, int]:
+    """The least a step's first token costs when new material is conditioned exactly: the chunks new to
+    the window (added or recalled; the leading one excepted, its canonical is exact and compiled at
+    ingest) are prefilled in context over the exact KV in front of them, and the prompt over the whole
+    window, in as few forwards as the layout allows; everything else is taken as free (survivors, and
+    chunks that a new one now precedes, keep what they had). Returns (seconds, tokens prefilled).
+
+    Lower than any such policy can reach: the paper leaves estimating a chunk's conditioning without its
+    conditioned forward open (appendix B), and a partial re-prefill keeping even a tenth of the layers
+    costs more KL than the trace allows (``kamera bench operator``, ``partial_reprefill_kl``).
+    """
+    a = len(engine.anchor_ids)
+    past: list[KV] = [engine.anchor_kv]
+    pos, seconds, tokens, i = a, 0.0, 0, 0
+    fused = len(chunks) > 1 and new[-1]
+    while i < len(chunks):
+        if i == 0 or not new[i]:  # exact KV of what re-prefill holds here (not timed)
+            past.append(engine.forward(chunks[i], past, pos, logits="none").kv)
+            pos, i = pos + len(chunks[i]), i + 1
+            continue
+        j = i
+        while j < len(chunks) and new[j]:
+            j += 1
+        run = [t for c in chunks[i:j] for t in c]
+        ids = run + prompt if j == len(chunks) else run
+        t0 = time.perf_counter()
+        res = engine.forward(ids, past, pos, logits="last" if j == len(chunks) else "none")
+        seconds += time.perf_counter() - t0
+        tokens += len(ids)
+        past.append(res.kv.slice(0, len(run)))
+        pos, i = pos + len(run), j
+    if not fused:
+        t0 = time.perf_counter()
+        engine.forward(prompt, past, pos)
+        seconds += time.perf_counter() - t0
+        tokens += len(prompt)
+    return seconds, tokens
 
 
 def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
@@ -230,5 +266,4 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     err.print(f"[bold]window[/] trace on {engine.name}: {steps} steps, window of 4 pages")
     result = run_trace(engine, trace, (*POLICIES, *ARMS))
     result["trace"] = {"steps": steps, "window_chunks": 4, "ops": [s.describe() for s in trace]}
-    result["slide_floor"] = slide_floor(engine, trace[0])
     return result
