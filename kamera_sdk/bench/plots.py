@@ -45,6 +45,34 @@ def operator_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=130)
     plt.close(fig)
 
+    if "partial_reprefill_eta" in result:
+        layers = result["num_layers"]
+        kept = sorted(int(k) for k in result["partial_reprefill_eta"])
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        x = [100 * (layers - k) / layers for k in kept]
+        ax.plot(
+            x, [result["partial_reprefill_eta"][str(k)] for k in kept], "s-", color="#c96", label="partial re-prefill"
+        )
+        for xi, k in zip(x, kept, strict=True):
+            ax.annotate(
+                f"{k} kept",
+                (xi, result["partial_reprefill_eta"][str(k)]),
+                textcoords="offset points",
+                xytext=(-6, 5),
+                ha="right",
+                fontsize=8,
+            )
+        ax.set_xlim(min(x) - 12, 103)
+        ax.axhline(result["eta"]["32"], color="#369", lw=1.2, ls="--", label="rank-32 patch (no forward at reuse)")
+        ax.set_xlabel(f"layers re-prefilled in context (% of {layers}; the forward's cost)")
+        ax.set_ylabel("eta = 1 - KL / KL(blind)")
+        ax.set_title("keeping the shallow layers of the canonical")
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "eta_vs_partial_reprefill.png")
+        fig.savefig(paths[-1], dpi=130)
+        plt.close(fig)
+
     lengths = sorted(int(n) for n in result["speed_by_length"])
     rows = [result["speed_by_length"][str(n)] for n in lengths]
     fig, ax = plt.subplots(figsize=(5, 3.4))
@@ -98,6 +126,15 @@ def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
             a2.plot(
                 [s["step"] for s in steps], [s["ttft_s"][p] for s in steps], marker="o", ms=3, color=colors[p], label=p
             )
+    if all("ttft_floor_s" in s for s in steps):
+        a2.plot(
+            [s["step"] for s in steps],
+            [s["ttft_floor_s"] for s in steps],
+            ls="--",
+            color="#369",
+            lw=1,
+            label="floor (new pages + prompt)",
+        )
     marks = {"first": "F", "recall": "R", "rerank": "S"}
     for s in steps:
         if s.get("kind") in marks:
