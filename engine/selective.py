@@ -101,7 +101,7 @@ def recompute_tokens(
     model = engine.model  # type: ignore[attr-defined]
     adapter = engine.adapter  # type: ignore[attr-defined]
     n = len(window)
-    if window.positions is None or not torch.equal(window.positions, torch.arange(n)):
+    if window.positions is None or not torch.equal(window.positions.cpu(), torch.arange(n)):
         raise InvalidInputError("selective recompute wants a window placed at positions 0..N-1")
     if len(token_ids) != n:
         raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
@@ -150,18 +150,21 @@ def reprefill_from_layer(
     """Partial re-prefill: ``spans`` keep the K/V ``window`` holds for them (their relocated canonicals)
     in the layers below ``from_layer`` and are re-prefilled in context from ``from_layer`` on.
 
-    Below ``from_layer`` a span's tokens run isolated from their antecedent (they see the anchor and their
-    own span, as their canonical did, at their own positions: the paper's 4D-mask isolation, §2), so
-    ``from_layer`` receives the chunk's context-free hidden state; from there on they attend to the whole
-    window and overwrite their K/V. ``from_layer=0`` is a re-prefill of the spans, ``from_layer`` = the
-    number of layers changes nothing. window: placed at 0..N-1 (anchor included); token_ids: its N ids;
-    spans: sorted, disjoint, behind the anchor. Returns the window with the spans' K/V replaced.
+    Below ``from_layer`` a span's tokens replay their canonical's forward: they see only the anchor and
+    their own span, rotated at the canonical's positions (right after the anchor), so ``from_layer``
+    receives the chunk's context-free hidden state (and its K/V there are the canonical's); from there on
+    they run at their window positions, attend to the whole window and overwrite their K/V. A serving
+    path would store that hidden state at compile time and skip the shallow layers; this function runs
+    them, to measure what skipping them costs in fidelity. ``from_layer=0`` is a re-prefill of the spans,
+    ``from_layer`` = the number of layers changes nothing. window: placed at 0..N-1 (anchor included);
+    token_ids: its N ids; spans: sorted, disjoint, behind the anchor. Returns the window with the spans'
+    K/V replaced.
     """
     model = engine.model  # type: ignore[attr-defined]
     adapter = engine.adapter  # type: ignore[attr-defined]
     layers = adapter.layers(model)
     n = len(window)
-    if window.positions is None or not torch.equal(window.positions, torch.arange(n)):
+    if window.positions is None or not torch.equal(window.positions.cpu(), torch.arange(n)):
         raise InvalidInputError("partial re-prefill wants a window placed at positions 0..N-1")
     if len(token_ids) != n:
         raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
@@ -170,6 +173,8 @@ def reprefill_from_layer(
     ordered = [s for s in spans if len(s)]
     if any(s.step != 1 for s in ordered):
         raise InvalidInputError("spans must be contiguous ranges")
+    if anchor_len < 0:
+        raise InvalidInputError(f"anchor_len must be >= 0, got {anchor_len}")
     bounds = [anchor_len] + [b for s in ordered for b in (s.start, s.stop)] + [n]
     if bounds != sorted(bounds):
         raise InvalidInputError(f"spans must be sorted, disjoint and inside [{anchor_len}, {n}), got {list(spans)}")
@@ -177,6 +182,7 @@ def reprefill_from_layer(
         return window
     pos = torch.cat([torch.arange(s.start, s.stop) for s in ordered])
     span_start = torch.cat([torch.full((len(s),), s.start) for s in ordered])
+    canonical_pos = anchor_len + pos - span_start  # where each token sat in its canonical's forward
     device = next(model.parameters()).device
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)
     hidden = model.get_input_embeddings()(ids[pos].to(device))[None]  # (1, n_span, hidden)
@@ -185,13 +191,16 @@ def reprefill_from_layer(
     isolated = _mask(pos, n, hidden.dtype, isolate=(anchor_len, span_start)).to(device)
     in_context = _mask(pos, n, hidden.dtype).to(device)
     for layer in range(len(layers)):
-        mask = isolated if layer < from_layer else in_context
-        hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, adapter, device)
+        if layer < from_layer:
+            hidden = _run(layers[layer], hidden, canonical_pos, isolated, cache, rotary, adapter, device)
+        else:
+            hidden = _run(layers[layer], hidden, pos, in_context, cache, rotary, adapter, device)
     return cache.to_kv(torch.arange(n))
 
 
 def _run(layer, hidden, pos, mask, cache, rotary, adapter, device):  # type: ignore[no-untyped-def]
-    """One decoder layer over the running tokens at ``pos`` (``mask``: additive, (1, 1, q, N))."""
+    """One decoder layer over the running tokens, rotated at positions ``pos`` (``mask``: additive,
+    (1, 1, q, N), over the window's rows)."""
     position_ids = pos[None].to(device)
     pe = rotary(hidden, position_ids)
     out = layer(

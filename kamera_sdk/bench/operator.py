@@ -81,14 +81,16 @@ class _ProbeRun:
         past = KV.cat([self.e.anchor_kv, *served])
         return self.e.next_token_logprobs(past, self.q, len(past))
 
+    def placed_canonicals(self) -> list[KV]:
+        return [self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)]
+
     def blind(self) -> torch.Tensor:
-        return self.logprobs([self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)])
+        return self.logprobs(self.placed_canonicals())
 
     def partial(self, from_layer: int) -> torch.Tensor:
         """Chunks behind the first keep their canonicals below ``from_layer`` and are re-prefilled in
         context from there on (the paper's partial re-prefill, appendices B-D)."""
-        blind = [self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)]
-        window = KV.cat([self.e.anchor_kv, *blind])
+        window = KV.cat([self.e.anchor_kv, *self.placed_canonicals()])
         ids = self.e.anchor_ids + [t for c in self.chunks for t in c]
         spans = [range(s, s + len(c)) for s, c in zip(self.starts[1:], self.chunks[1:], strict=True)]
         placed = reprefill_from_layer(self.e, window, ids, spans, from_layer, len(self.e.anchor_ids))

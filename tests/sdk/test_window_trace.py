@@ -44,7 +44,7 @@ def test_the_ttft_floor_prefills_only_the_new_chunks_and_the_prompt(
     prompt = random_ids(4, 9)
     _ = engine.anchor_kv  # computed once, on first use: not part of the step
     before = engine.counters.model_copy()
-    seconds, tokens = floor_step(engine, chunks, new, prompt)
+    seconds, tokens = floor_step(engine, chunks, new, prompt, repeats=1)
     assert tokens == sum(len(chunks[i]) for i in timed_chunks) + len(prompt)
     assert seconds > 0
     # every chunk is prefilled exactly once (the untimed ones build the exact window in front), and the
