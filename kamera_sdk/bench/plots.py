@@ -141,8 +141,9 @@ def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
             a2.annotate(marks[s["kind"]], (s["step"], 0), textcoords="offset points", xytext=(-3, 2), fontsize=7)
     a2.set_xlabel("step (F first, R recall, S rerank; the rest slide)")
     a2.set_ylabel("TTFT (s)")
-    a2.set_ylim(bottom=0)
-    a2.legend(loc="upper right", fontsize=8)
+    highest = max(s["ttft_s"][p] for s in steps for p in ("prefix", "kamera") if p in names)
+    a2.set_ylim(0, 1.3 * highest)  # room above the lines for the legend
+    a2.legend(loc="upper center", ncol=3, fontsize=8)
     a3.bar(names, [result[p]["kl_mean"] for p in names], color=[colors[p] for p in names])
     a3.set_ylabel("mean next-token KL to recompute")
     for ax in (a1, a3):

@@ -236,7 +236,7 @@ def floor_step(
 
     No such policy gets below it: the paper leaves estimating a chunk's conditioning without its
     conditioned forward open (appendix B), and on the default model a partial re-prefill that keeps even
-    a tenth of the layers from the canonical costs 36 times the rank-32 patch's KL (``kamera bench
+    a tenth of the layers from the canonical costs 47 times the rank-32 patch's KL (``kamera bench
     operator``, ``partial_reprefill_kl``).
     """
     a = len(engine.anchor_ids)
