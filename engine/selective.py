@@ -100,11 +100,7 @@ def recompute_tokens(
     """
     model = engine.model  # type: ignore[attr-defined]
     adapter = engine.adapter  # type: ignore[attr-defined]
-    n = len(window)
-    if window.positions is None or not torch.equal(window.positions.cpu(), torch.arange(n)):
-        raise InvalidInputError("selective recompute wants a window placed at positions 0..N-1")
-    if len(token_ids) != n:
-        raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
+    n = _check_window(window, token_ids, "selective recompute")
     if not 0.0 <= ratio <= 1.0:
         raise InvalidInputError(f"recompute ratio must be in [0, 1], got {ratio}")
     cand = torch.as_tensor(candidates, dtype=torch.long).sort().values
@@ -163,11 +159,7 @@ def reprefill_from_layer(
     model = engine.model  # type: ignore[attr-defined]
     adapter = engine.adapter  # type: ignore[attr-defined]
     layers = adapter.layers(model)
-    n = len(window)
-    if window.positions is None or not torch.equal(window.positions.cpu(), torch.arange(n)):
-        raise InvalidInputError("partial re-prefill wants a window placed at positions 0..N-1")
-    if len(token_ids) != n:
-        raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
+    n = _check_window(window, token_ids, "partial re-prefill")
     if not 0 <= from_layer <= len(layers):
         raise InvalidInputError(f"from_layer must be in [0, {len(layers)}], got {from_layer}")
     ordered = [s for s in spans if len(s)]
@@ -196,6 +188,16 @@ def reprefill_from_layer(
         else:
             hidden = _run(layers[layer], hidden, pos, in_context, cache, rotary, adapter, device)
     return cache.to_kv(torch.arange(n))
+
+
+def _check_window(window: KV, token_ids: Sequence[int], what: str) -> int:
+    """The window's length, after checking it is placed at 0..N-1 and has one token id per row."""
+    n = len(window)
+    if window.positions is None or not torch.equal(window.positions.cpu(), torch.arange(n)):
+        raise InvalidInputError(f"{what} wants a window placed at positions 0..N-1")
+    if len(token_ids) != n:
+        raise InvalidInputError(f"need {n} token ids for the window, got {len(token_ids)}")
+    return n
 
 
 def _run(layer, hidden, pos, mask, cache, rotary, adapter, device):  # type: ignore[no-untyped-def]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> float:
@@ -26,14 +29,24 @@ def timed(
     reduce: Callable[[list[float]], float] = statistics.median,
 ) -> float:
     """Wall time of ``fn`` over ``repeat`` runs after ``warmup`` runs, reduced (median by default)."""
+    return timed_result(fn, repeat, warmup, reduce)[0]
+
+
+def timed_result(
+    fn: Callable[[], T],
+    repeat: int = 5,
+    warmup: int = 1,
+    reduce: Callable[[list[float]], float] = statistics.median,
+) -> tuple[float, T]:
+    """``timed``, and what the last run of ``fn`` returned (for a measured call whose output is used)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, out = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        fn()
+        out = fn()
         times.append(time.perf_counter() - t0)
-    return reduce(times)
+    return reduce(times), out  # type: ignore[return-value]
 
 
 def mean(xs: list[float]) -> float:

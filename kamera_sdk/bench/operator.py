@@ -9,6 +9,7 @@ at 256 / 1024 / 2048 tokens, bytes of patches, and how close apply runs to memcp
 from __future__ import annotations
 
 import itertools
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -81,23 +82,31 @@ class _ProbeRun:
         past = KV.cat([self.e.anchor_kv, *served])
         return self.e.next_token_logprobs(past, self.q, len(past))
 
+    @cached_property
     def placed_canonicals(self) -> list[KV]:
+        """Every chunk's canonical relocated to its place (the leading one is exact)."""
         return [self.e.apply(c, None, s) for c, s in zip(self.can, self.starts, strict=True)]
 
     def blind(self) -> torch.Tensor:
-        return self.logprobs(self.placed_canonicals())
+        return self.logprobs(self.placed_canonicals)
 
     def partial(self, from_layer: int) -> torch.Tensor:
         """Chunks behind the first keep their canonicals below ``from_layer`` and are re-prefilled in
         context from there on (the paper's partial re-prefill, appendices B-D)."""
-        window = KV.cat([self.e.anchor_kv, *self.placed_canonicals()])
-        ids = self.e.anchor_ids + [t for c in self.chunks for t in c]
-        spans = [range(s, s + len(c)) for s, c in zip(self.starts[1:], self.chunks[1:], strict=True)]
+        window, ids, spans = self._blind_window
         placed = reprefill_from_layer(self.e, window, ids, spans, from_layer, len(self.e.anchor_ids))
         return self.e.next_token_logprobs(placed, self.q, len(placed))
 
+    @cached_property
+    def _blind_window(self) -> tuple[KV, list[int], list[range]]:
+        """The blind window placed at 0..N-1, its token ids, and the spans of the chunks behind the first."""
+        window = KV.cat([self.e.anchor_kv, *self.placed_canonicals])
+        ids = self.e.anchor_ids + [t for c in self.chunks for t in c]
+        spans = [range(s, s + len(c)) for s, c in zip(self.starts[1:], self.chunks[1:], strict=True)]
+        return window, ids, spans
+
     def patched(self, rank: int, layers: list[int] | None = None) -> torch.Tensor:
-        served = [self.e.apply(self.can[0], None, self.starts[0])]
+        served = [self.placed_canonicals[0]]
         for i in range(1, len(self.chunks)):
             patch = self.e.form_patch(self.cond[i], self.can[i], rank, layers=layers)
             served.append(self.e.apply(self.can[i], patch, self.starts[i]))

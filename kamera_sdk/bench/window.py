@@ -19,7 +19,8 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -29,9 +30,7 @@ from ..config import WindowConfig
 from ..console import err, track
 from ..window import ContextWindow
 from .corpus import Page, Question, load_corpus
-from .metrics import kl, mean
-
-T = TypeVar("T")
+from .metrics import kl, mean, timed_result
 
 POLICIES = ("recompute", "prefix", "blind", "cacheblend", "mpic", "kamera")
 #: Extra arms: a policy under a non-default config, reported next to the policies.
@@ -152,7 +151,7 @@ def run_trace(
         p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": []} for p in policies
     }
     per_step: list[dict[str, Any]] = []
-    floor: dict[str, list] = {"ttft": [], "tokens": []}
+    floor_tokens = 0
     before: set[str] = set()
     for step in track(trace, "window trace"):
         lps: dict[str, torch.Tensor] = {}
@@ -170,11 +169,10 @@ def run_trace(
             rows[p]["match"].append(answers[p].strip() == answers["recompute"].strip())
         win = next(iter(wins.values()))  # every policy holds the same chunks in the same order
         chunks = [win.chunk(c).token_ids for c in win.chunks]
-        floor_s, floor_tokens = floor_step(
+        floor_s, tokens = floor_step(
             engine, chunks, [c not in before for c in win.chunks], engine.prompt_ids(step.question)
         )
-        floor["ttft"].append(floor_s)
-        floor["tokens"].append(floor_tokens)
+        floor_tokens += tokens
         before = set(win.chunks)
         per_step.append(
             {
@@ -206,22 +204,27 @@ def run_trace(
             "kl_max": max(rows[p]["kl"]),
         }
     result["steps"] = per_step
-    result["ttft_floor"] = {"ttft_s_mean": mean(floor["ttft"]), "prefill_tokens": sum(floor["tokens"])}
+    result["ttft_floor"] = {
+        "ttft_s_mean": mean([r["ttft_floor_s"] for r in per_step]),
+        "prefill_tokens": floor_tokens,
+    }
     if "prefix" in result:
-        for name in ("floor", *(["kamera"] if "kamera" in result else [])):
-            result[f"{name}_ttft_over_prefix"] = _over_prefix(per_step, name)
+        ttfts: dict[str, Callable[[dict[str, Any]], float]] = {"floor": lambda r: r["ttft_floor_s"]}
+        if "kamera" in result:
+            ttfts["kamera"] = lambda r: r["ttft_s"]["kamera"]
+        for name, ttft in ttfts.items():
+            result[f"{name}_ttft_over_prefix"] = _over_prefix(per_step, ttft)
             result[f"{name}_ttft_over_prefix_by_kind"] = {
-                kind: _over_prefix(rows_k, name)
+                kind: _over_prefix(rows_k, ttft)
                 for kind in ("first", "slide", "recall", "rerank")
                 if (rows_k := [r for r in per_step if r["kind"] == kind])
             }
     return result
 
 
-def _over_prefix(steps: list[dict[str, Any]], name: str) -> float:
-    """Mean TTFT of ``name`` (a policy, or ``floor``) over prefix's, on ``steps``."""
-    ttft = [r["ttft_floor_s"] if name == "floor" else r["ttft_s"][name] for r in steps]
-    return mean(ttft) / mean([r["ttft_s"]["prefix"] for r in steps])
+def _over_prefix(steps: list[dict[str, Any]], ttft: Callable[[dict[str, Any]], float]) -> float:
+    """Mean of ``ttft`` (read off each step) over prefix's mean TTFT, on ``steps``."""
+    return mean([ttft(r) for r in steps]) / mean([r["ttft_s"]["prefix"] for r in steps])
 
 
 def floor_step(
@@ -254,26 +257,16 @@ def floor_step(
         run = [t for c in chunks[i:j] for t in c]
         prompt_done = j == len(chunks)  # the prompt rides in the last forward, as the policies do
         ids = run + prompt if prompt_done else run
-        last = "last" if prompt_done else "none"
-        t, res = _best_of(repeats, engine.forward, ids, past, pos, logits=last)
+        forward = partial(engine.forward, ids, past, pos, logits="last" if prompt_done else "none")
+        t, res = timed_result(forward, repeat=repeats, warmup=0, reduce=min)
         seconds += t
         tokens += len(ids)
         past.append(res.kv.slice(0, len(run)))
         pos, i = pos + len(run), j
     if not prompt_done:
-        seconds += _best_of(repeats, engine.forward, prompt, past, pos)[0]
+        seconds += timed_result(partial(engine.forward, prompt, past, pos), repeat=repeats, warmup=0, reduce=min)[0]
         tokens += len(prompt)
     return seconds, tokens
-
-
-def _best_of(repeats: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[float, T]:
-    """The fastest of ``repeats`` calls of ``fn(*args, **kwargs)``, and its result."""
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        best = min(best, time.perf_counter() - t0)
-    return best, out  # type: ignore[return-value]
 
 
 def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
