@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/kamera demo
 
 test: $(STAMP)
-	$(BIN)/ruff check .
+	$(BIN)/ruff check . && $(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

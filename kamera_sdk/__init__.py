@@ -29,6 +29,7 @@ from kamera_engine import (
     WindowOperationError,
 )
 
+from .chat_format import ChatFormat
 from .chunks import ChunkId
 from .config import WindowConfig
 from .envelope import EnvelopeConfig, EnvelopeDecision
@@ -53,6 +54,7 @@ __all__ = [
     "KV",
     "POLICIES",
     "AsyncRemoteWindow",
+    "ChatFormat",
     "ChecksumError",
     "ChunkId",
     "ChunkNotFoundError",

@@ -12,7 +12,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("kamera_langchain needs langchain-core: pip install 'kamera[langchain]'") from exc
 
-from kamera_sdk.chat_format import ChatFormat
+from kamera_sdk import ChatFormat
 
 from ._messages import ImageInputError
 from .chat_models import ChatKamera, load_engine

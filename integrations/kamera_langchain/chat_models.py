@@ -21,9 +21,9 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field, PrivateAttr, field_validator
 
-from kamera_engine.decode import stop_strings
 from kamera_sdk import (
     POLICIES,
+    ChatFormat,
     ContextWindow,
     Engine,
     EnvelopeConfig,
@@ -32,7 +32,6 @@ from kamera_sdk import (
     TextStream,
     WindowConfig,
 )
-from kamera_sdk.chat_format import ChatFormat
 
 from ._conversation import Conversation, SyncReport, stats_delta
 from ._messages import message_role, message_text
@@ -263,7 +262,7 @@ class ChatKamera(BaseChatModel):
             "stop": list(stop_seqs) if stop_seqs else None,
         }
         # checked before the window is touched: a refused call leaves it as it was
-        SamplingParams(**{**sampling, "stop": stop_strings(sampling["stop"])}).validate()
+        SamplingParams(**{**sampling, "stop": tuple(sampling["stop"] or ())}).validate()
         conv, prompt = self._conversation(session), engine.tokenize(fmt.generation)
         win = conv.window
         if win.config.budget_tokens is None:  # the window will hold exactly these messages: fit them now
