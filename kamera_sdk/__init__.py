@@ -36,6 +36,7 @@ from .envelope import EnvelopeConfig, EnvelopeDecision
 from .plan import Plan, Source
 from .policies import POLICIES, ReusePolicy, register_policy
 from .stats import WindowStats
+from .store import ChunkStore, open_store
 from .window import ContextWindow, DisposabilityResult
 
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ __all__ = [
     "ChecksumError",
     "ChunkId",
     "ChunkNotFoundError",
+    "ChunkStore",
     "ContextLengthError",
     "ContextWindow",
     "DisposabilityResult",
@@ -84,5 +86,6 @@ __all__ = [
     "WindowOperationError",
     "WindowStats",
     "__version__",
+    "open_store",
     "register_policy",
 ]

@@ -4,6 +4,10 @@ Each message is one position-free chunk. A call diffs its message list against t
 messages already there are reused, dropped ones (``trim_messages``) slide out or are evicted, a new order
 is a ``reorder``, new messages are appended. Only what the reuse policy cannot serve from stored KV is
 prefilled; ``response_metadata["kamera"]`` says how much that was.
+
+With ``base_url`` the windows live on a ``kamera serve`` server instead (one server session per
+``session_id``, reached through ``kamera_sdk.RemoteWindow``): the server's chat endpoint makes the window
+hold the message list with the same reuse, so several agents and apps share one engine.
 """
 
 from __future__ import annotations
@@ -19,18 +23,21 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from kamera_sdk import (
     POLICIES,
     ChatFormat,
+    ChunkStore,
     ContextWindow,
     Engine,
     EnvelopeConfig,
     InvalidInputError,
+    RemoteWindow,
     SamplingParams,
     TextStream,
     WindowConfig,
+    open_store,
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
@@ -99,8 +106,10 @@ class ChatKamera(BaseChatModel):
 
     ``engine``: a loaded ``kamera_sdk.Engine`` to share; otherwise ``model`` (Hugging Face id or local path,
     None: the embedded default SmolLM2-135M-Instruct) is loaded on first use. ``policy``/``rank``/
-    ``budget_tokens`` configure each window. Pass ``session_id="..."`` per call (or in the run metadata,
-    ``session_id`` or ``thread_id``) to keep conversations apart.
+    ``budget_tokens`` configure each window; ``store`` (a path, a ``redis://`` URL, ``"default"`` or a
+    ``ChunkStore``) keeps canonicals and patches across windows and processes. ``base_url`` (with ``api_key``)
+    runs every window on a ``kamera serve`` server instead of loading a model here. Pass ``session_id="..."``
+    per call (or in the run metadata, ``session_id`` or ``thread_id``) to keep conversations apart.
 
     Example:
         .. code-block:: python
@@ -108,6 +117,8 @@ class ChatKamera(BaseChatModel):
             from kamera_langchain import ChatKamera
             llm = ChatKamera(max_tokens=32)
             llm.invoke("What is the capital of France?").content
+
+            remote = ChatKamera(base_url="http://127.0.0.1:8765", api_key="...")  # a running `kamera serve`
     """
 
     engine: Engine | None = Field(default=None, exclude=True, description="a loaded engine to use (shared)")
@@ -129,9 +140,17 @@ class ChatKamera(BaseChatModel):
     stop: list[str] | None = None
     streaming: bool = False
     session_id: str = Field(default="default", description="session used when a call names none")
+    store: str | ChunkStore | None = Field(
+        default=None, exclude=True, description="in-process windows share this store (path, URL or ChunkStore)"
+    )
+    base_url: str | None = Field(default=None, description="a kamera serve URL: windows live on that server")
+    api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
 
     _engine: Engine | None = PrivateAttr(default=None)
     _sessions: dict[str, Conversation] = PrivateAttr(default_factory=dict)
+    _remote: dict[str, RemoteWindow] = PrivateAttr(default_factory=dict)
+    _store: ChunkStore | None = PrivateAttr(default=None)
+    _remote_model: str = PrivateAttr(default="kamera-server")  # the server's model name, once it answered
     _sessions_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     @field_validator("policy")
@@ -140,6 +159,12 @@ class ChatKamera(BaseChatModel):
         if v not in POLICIES:
             raise ValueError(f"unknown policy {v!r}; registered: {sorted(POLICIES)}")
         return v
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ChatKamera:
+        if self.base_url is not None and (self.engine is not None or self.model is not None or self.store is not None):
+            raise ValueError("base_url runs the model on the server: leave engine, model and store to the server")
+        return self
 
     # --- LangChain identity --------------------------------------------------------------------
     @property
@@ -150,7 +175,9 @@ class ChatKamera(BaseChatModel):
     def model_name(self) -> str:
         """The model's name (without loading it)."""
         eng = self.engine or self._engine
-        return eng.name if eng is not None else (self.model or DEFAULT_MODEL_NAME)
+        if eng is not None:
+            return eng.name
+        return self.model or (self._remote_model if self.base_url is not None else DEFAULT_MODEL_NAME)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -178,27 +205,58 @@ class ChatKamera(BaseChatModel):
 
     # --- engine, windows, token counting -------------------------------------------------------
     def _chat(self) -> tuple[Engine, ChatFormat]:
+        if self.base_url is not None:
+            raise InvalidInputError("this ChatKamera runs on a server (base_url): there is no engine or tokenizer here")
         if self._engine is None:
             self._engine = self.engine or load_engine(self.model, self.device)
         return chat_engine(self._engine)
 
-    def window(self, session_id: str | None = None) -> ContextWindow:
-        """The ``ContextWindow`` of a session (created empty if new): inspect ``stats()``, ``chunks``..."""
-        return self._conversation(session_id or self.session_id).window
+    def window(self, session_id: str | None = None) -> ContextWindow | RemoteWindow:
+        """The window of a session (created empty if new): inspect ``stats()``, ``chunks``... A
+        ``RemoteWindow`` on the server's session when ``base_url`` is set."""
+        session = session_id or self.session_id
+        if self.base_url is not None:
+            return self._remote_window(session)
+        return self._conversation(session).window
 
     @property
     def sessions(self) -> list[str]:
         """Session ids with a window."""
         with self._sessions_lock:
-            return list(self._sessions)
+            return [*self._sessions, *self._remote]
 
     def reset(self, session_id: str | None = None) -> None:
-        """Forget one session's window (all of them when ``session_id`` is None)."""
+        """Forget one session's window (all of them when ``session_id`` is None); a server session is deleted."""
         with self._sessions_lock:
-            if session_id is None:
-                self._sessions.clear()
-            else:
-                self._sessions.pop(session_id, None)
+            names = list({*self._sessions, *self._remote}) if session_id is None else [session_id]
+            self._sessions = {k: v for k, v in self._sessions.items() if k not in names}
+            closing = [self._remote.pop(k) for k in names if k in self._remote]
+        for remote in closing:
+            remote.close()
+
+    def _remote_window(self, session: str) -> RemoteWindow:
+        """The server session of ``session``, created with this model's window options on first use."""
+        with self._sessions_lock:
+            win = self._remote.get(session)
+            if win is None:
+                assert self.base_url is not None
+                win = RemoteWindow(
+                    self.base_url,
+                    api_key=self.api_key,
+                    policy=self.policy,
+                    rank=self.rank,
+                    budget_tokens=self.budget_tokens,
+                )
+                self._remote[session] = win
+            return win
+
+    def _shared_store(self) -> ChunkStore | None:
+        """The store every in-process window of this model shares (a path or URL is opened once)."""
+        if self.store is None or isinstance(self.store, ChunkStore):
+            return self.store
+        if self._store is None:
+            self._store = open_store(self.store)
+        return self._store
 
     def _conversation(self, session: str) -> Conversation:
         engine, _ = self._chat()
@@ -210,7 +268,8 @@ class ChatKamera(BaseChatModel):
                     budget_tokens=self.budget_tokens,
                     envelope=EnvelopeConfig(max_dropped=self.max_dropped),
                 )
-                conv = Conversation(ContextWindow(engine, policy=self.policy, config=config))
+                window = ContextWindow(engine, policy=self.policy, config=config, store=self._shared_store())
+                conv = Conversation(window)
                 self._sessions[session] = conv
             return conv
 
@@ -232,13 +291,10 @@ class ChatKamera(BaseChatModel):
         return sum(len(engine.tokenize(t)) for t in self.render(messages))
 
     # --- calls ---------------------------------------------------------------------------------
-    def _prepare(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None,
-        run_manager: CallbackManagerForLLMRun | None,
-        kwargs: dict[str, Any],
-    ) -> _Call:
+    def _session_and_sampling(
+        self, stop: list[str] | None, run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """The call's session and sampling options, checked before any window is touched."""
         unknown = set(kwargs) - _CALL_KWARGS
         if unknown:
             raise InvalidInputError(f"ChatKamera got unsupported call arguments {sorted(unknown)}")
@@ -246,8 +302,6 @@ class ChatKamera(BaseChatModel):
         session = str(
             kwargs.get("session_id") or metadata.get("session_id") or metadata.get("thread_id") or self.session_id
         )
-        texts = self.render(messages)  # raises on image parts before anything changes
-        engine, fmt = self._chat()
         stop_seqs = stop if stop is not None else self.stop
 
         def given(name: str, default: Any) -> Any:
@@ -261,8 +315,19 @@ class ChatKamera(BaseChatModel):
             "seed": kwargs.get("seed", self.seed),
             "stop": list(stop_seqs) if stop_seqs else None,
         }
-        # checked before the window is touched: a refused call leaves it as it was
         SamplingParams(**{**sampling, "stop": tuple(sampling["stop"] or ())}).validate()
+        return session, sampling
+
+    def _prepare(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+    ) -> _Call:
+        session, sampling = self._session_and_sampling(stop, run_manager, kwargs)
+        texts = self.render(messages)  # raises on image parts before anything changes
+        engine, fmt = self._chat()
         conv, prompt = self._conversation(session), engine.tokenize(fmt.generation)
         win = conv.window
         if win.config.budget_tokens is None:  # the window will hold exactly these messages: fit them now
@@ -305,6 +370,49 @@ class ChatKamera(BaseChatModel):
         }
         return usage, {"model_name": self.model_name, "finish_reason": finish, "kamera": kamera}
 
+    def _remote_chat(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+        stream: bool,
+    ) -> tuple[Any, str]:
+        """Send the message list to the server's chat endpoint on the session's window."""
+        session, sampling = self._session_and_sampling(stop, run_manager, kwargs)
+        if not messages:
+            raise InvalidInputError("a chat call needs at least one message")
+        payload = [{"role": message_role(m), "content": message_text(m)} for m in messages]
+        options = {
+            "max_tokens": sampling["max_new_tokens"],
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+            "seed": sampling["seed"],
+            "stop": sampling["stop"],
+        }
+        return self._remote_window(session).chat(payload, stream=stream, **options), session
+
+    def _remote_finish(
+        self, session: str, model: str, usage: Any, finish: str | None
+    ) -> tuple[UsageMetadata | None, dict[str, Any]]:
+        """Usage metadata and ``response_metadata`` of a server's answer (``usage``: its OpenAI usage)."""
+        self._remote_model = model
+        meta = {
+            "model_name": model,
+            "finish_reason": finish or "stop",
+            "kamera": {"session_id": session, "policy": self.policy, "server_session": self._remote[session].id},
+        }
+        if usage is None:
+            return None, meta
+        cached = usage.prompt_tokens_details.cached_tokens
+        metadata = UsageMetadata(
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+            input_token_details=InputTokenDetails(cache_read=cached),
+        )
+        return metadata, meta
+
     def _generate(
         self,
         messages: list[BaseMessage],
@@ -312,6 +420,13 @@ class ChatKamera(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        if self.base_url is not None:
+            answer, session = self._remote_chat(messages, stop, run_manager, kwargs, stream=False)
+            choice = answer.choices[0]
+            usage, meta = self._remote_finish(session, answer.model, answer.usage, choice.finish_reason)
+            message = AIMessage(content=choice.message.content or "", usage_metadata=usage, response_metadata=meta)
+            info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
+            return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
         call = self._prepare(messages, stop, run_manager, kwargs)
         text = "".join(self._decode(call))
         usage, meta = self._finish(call)
@@ -326,13 +441,21 @@ class ChatKamera(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        call = self._prepare(messages, stop, run_manager, kwargs)
-        for piece in self._decode(call):
+        if self.base_url is not None:
+            pieces, session = self._remote_chat(messages, stop, run_manager, kwargs, stream=True)
+        else:
+            call = self._prepare(messages, stop, run_manager, kwargs)
+            pieces = self._decode(call)
+        for piece in pieces:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        usage, meta = self._finish(call)
+        if self.base_url is not None:
+            model = pieces.model or self._remote_model
+            usage, meta = self._remote_finish(session, model, pieces.usage, pieces.finish_reason)
+        else:
+            usage, meta = self._finish(call)
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         last = AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last")
         yield ChatGenerationChunk(message=last, generation_info=info)

@@ -32,7 +32,17 @@ from kamera_engine import InvalidInputError
 from ..stats import WindowStats
 from ..window import as_index, order_arg
 from .errors import RemoteError, error_from_response
-from .schemas import ChunkAdded, LogprobsResult, SessionCreated, SlideResult, TopToken, WindowState
+from .schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkAdded,
+    LogprobsResult,
+    SessionCreated,
+    SlideResult,
+    TopToken,
+    Usage,
+    WindowState,
+)
 from .sse import SSEDecoder
 
 T = TypeVar("T")
@@ -75,6 +85,7 @@ class _Requests:
     """The request behind each window method, for one session (pure: builds, never sends)."""
 
     def __init__(self, session_id: str) -> None:
+        self.session = session_id
         self.base = f"/v1/sessions/{session_id}"
 
     @staticmethod
@@ -129,6 +140,14 @@ class _Requests:
         if stop is not None:
             body["stop"] = [stop] if isinstance(stop, str) else list(stop)  # one string is one stop string
         return _Request("POST", f"{self.base}/generate", body, lambda b: str(b["text"]))
+
+    def chat(
+        self, messages: Sequence[dict[str, Any]], stream: bool, options: dict[str, Any]
+    ) -> _Request[ChatCompletion]:
+        body: dict[str, Any] = {"messages": list(messages), "session": self.session, **options}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        return _Request("POST", "/v1/chat/completions", body, ChatCompletion.model_validate)
 
 
 def _json(response: httpx.Response) -> Any:
@@ -203,6 +222,54 @@ class RemoteTextStream(_Answer, Iterator[str]):
         finally:
             response.close()
         raise _cut(None)  # the stream ended without its "done" event: the answer is incomplete
+
+
+class RemoteChatStream(Iterator[str]):
+    """The text pieces of a chat answer streamed by ``/v1/chat/completions`` (OpenAI's chunks, on this
+    window's session); ``finish_reason`` and ``usage`` (prompt, completion and cached tokens) are set when the
+    server's stream ends (None before)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.finish_reason: FinishReason | None = None
+        self.usage: Usage | None = None
+        self.model: str | None = None  # the server's model name, from the first chunk
+        self._response = response
+        self._decoder = SSEDecoder()
+        self._pieces = self._run(response)
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop reading (the connection is closed; the server stops decoding)."""
+        self._pieces.close()
+        self._response.close()
+
+    def _run(self, response: httpx.Response) -> Iterator[str]:
+        try:
+            for line in response.iter_lines():
+                event = self._decoder.feed(line)
+                if event is None:
+                    continue
+                if event.data == "[DONE]":
+                    return
+                body = event.json()
+                if isinstance(body, dict) and "error" in body:
+                    raise error_from_response(500, body)
+                chunk = ChatCompletionChunk.model_validate(body)
+                self.model = chunk.model
+                if chunk.usage is not None:
+                    self.usage = chunk.usage
+                for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        self.finish_reason = choice.finish_reason
+                    if choice.delta.content:
+                        yield choice.delta.content
+        except httpx.TransportError as exc:
+            raise _cut(exc) from exc
+        finally:
+            response.close()
+        raise _cut(None)
 
 
 class AsyncRemoteTextStream(_Answer, AsyncIterator[str]):
@@ -301,6 +368,10 @@ class RemoteWindow:
         return req.parse(_checked(response))
 
     def _stream(self, req: _Request[Any]) -> RemoteTextStream:
+        return RemoteTextStream(self._open(req))
+
+    def _open(self, req: _Request[Any]) -> httpx.Response:
+        """Send ``req`` and return its response unread (for a stream), or raise the error it answered."""
         try:
             response = self._client.send(self._client.build_request(req.method, req.path, json=req.json), stream=True)
         except httpx.TransportError as exc:
@@ -309,7 +380,7 @@ class RemoteWindow:
             response.read()
             response.close()
             _checked(response)
-        return RemoteTextStream(response)
+        return response
 
     # --- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> RemoteWindow:
@@ -396,6 +467,26 @@ class RemoteWindow:
         return child
 
     # --- using the window -----------------------------------------------------------------------
+    @overload
+    def chat(
+        self, messages: Sequence[dict[str, Any]], *, stream: Literal[False] = ..., **options: Any
+    ) -> ChatCompletion: ...
+
+    @overload
+    def chat(
+        self, messages: Sequence[dict[str, Any]], *, stream: Literal[True], **options: Any
+    ) -> RemoteChatStream: ...
+
+    def chat(
+        self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **options: Any
+    ) -> ChatCompletion | RemoteChatStream:
+        """An OpenAI chat completion over this session's window: the server makes the window hold the messages
+        (earlier ones reused, dropped ones evicted, the last one the prompt) and answers. ``messages``:
+        ``{"role", "content"}`` dicts; ``options``: ``max_tokens``, ``temperature``, ``top_p``, ``stop``,
+        ``seed``. ``stream=True`` returns the text pieces, with ``usage`` and ``finish_reason`` at the end."""
+        req = self._r.chat(messages, stream, options)
+        return RemoteChatStream(self._open(req)) if stream else self._send(req)
+
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> list[float]:
         """Log-probabilities (vocab,) of the next token, as floats (about 1 MB of JSON for 49k tokens)."""
         result = self._send(self._r.logprobs(prompt, None))

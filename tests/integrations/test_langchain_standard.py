@@ -18,7 +18,7 @@ NO_TOOLS = (
     "ChatKamera does not implement bind_tools: the embedded 135M model cannot produce reliable tool calls; "
     "tool calls and results in the history are rendered as text"
 )
-NO_ENV = "ChatKamera reads no environment variables (no API key or endpoint: the engine is local)"
+NO_ENV = "ChatKamera reads no environment variables (a server URL and API key, if any, are arguments)"
 NO_SERDES = "ChatKamera holds a live engine (weights and KV windows), which LangChain serialisation cannot carry"
 
 
