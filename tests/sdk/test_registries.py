@@ -140,8 +140,8 @@ def test_compressor_refuses_a_budget_below_what_it_always_keeps(engine: Engine, 
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
-def test_compressed_cache_differs_from_nothing_it_must_keep(engine: Engine, name: str) -> None:
-    """The first logits after the prompt are computed with the full cache, whatever the budget."""
+def test_first_logits_come_from_the_full_cache_at_any_budget(engine: Engine, name: str) -> None:
+    """The first token after the prompt is chosen with the full cache; compression starts with the answer."""
     full = _compressed_window(engine, name, 1.0).compress_window(PROMPT)
     small = _compressed_window(engine, name, 0.5).compress_window(PROMPT)
     assert torch.equal(full.first_logits, small.first_logits)
