@@ -4,12 +4,14 @@ Layering: this package never imports ``kamera_sdk``. Public names are listed in 
 """
 
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
+from .constrained import Grammar
 from .decode import SamplingParams, TextStream
 from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home
 from .engine import Engine, EngineCounters, EngineInfo
 from .errors import (
     ChecksumError,
     ChunkNotFoundError,
+    ConstraintError,
     ContextLengthError,
     FingerprintMismatchError,
     InvalidInputError,
@@ -32,11 +34,13 @@ __all__ = [
     "KV",
     "ChecksumError",
     "ChunkNotFoundError",
+    "ConstraintError",
     "ContextLengthError",
     "Engine",
     "EngineCounters",
     "EngineInfo",
     "FingerprintMismatchError",
+    "Grammar",
     "InvalidInputError",
     "KameraError",
     "KernelBuildError",

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .constrained import Grammar, TokenConstraint
 from .errors import InvalidInputError
 
 
@@ -27,6 +28,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    #: what the answer must match (a JSON schema, regex or Lark grammar); None for free text
+    grammar: Grammar | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
@@ -39,6 +42,8 @@ class SamplingParams:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidInputError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidInputError(f"grammar must be a kamera Grammar, got {type(self.grammar).__name__}")
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -71,13 +76,16 @@ def decode_tokens(
     next_position: int,
     params: SamplingParams,
     after_step: Callable[[object, int], None] | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids, feeding each back at its explicit position.
 
     ``after_step(cache, generated)`` runs after each token is added to the cache (compression policies
-    evict there).
+    evict there). ``constraint``: only tokens its grammar admits are picked (``constrained.py``); the
+    answer ends with the grammar's end-of-sequence once the grammar is complete.
     """
     params.validate()
+    eos = set(params.eos_token_ids) | set(constraint.eos_token_ids if constraint is not None else ())
     device = next(model.parameters()).device
     generator = None
     if params.seed is not None and params.temperature > 0:
@@ -85,9 +93,14 @@ def decode_tokens(
     logits = first_logits
     pos = next_position
     for step in range(params.max_new_tokens):
-        token = pick_token(logits.cpu(), params, generator)
+        scores = logits.cpu()
+        if constraint is not None:
+            scores = constraint.mask_(scores.clone())
+        token = pick_token(scores, params, generator)
+        if constraint is not None and token not in eos:
+            constraint.advance(token)
         yield token
-        if token in params.eos_token_ids or step == params.max_new_tokens - 1:
+        if token in eos or step == params.max_new_tokens - 1:
             return  # no forward for a token nobody will read
         out = model(
             input_ids=torch.tensor([[token]], device=device),

@@ -21,6 +21,7 @@ from torch import nn
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
 from .attention import resolve_attention
+from .constrained import TokenConstraint
 from .decode import SamplingParams, TextStream, decode_tokens
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
@@ -354,7 +355,18 @@ class Engine:
     def _decode(self, cache: object, logits: torch.Tensor, position: int, params: SamplingParams) -> Iterator[int]:
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
-        return decode_tokens(self.model, cache, logits, position, params)
+        return decode_tokens(self.model, cache, logits, position, params, constraint=self.constraint(params))
+
+    def constraint(self, params: SamplingParams) -> TokenConstraint | None:
+        """The walk through ``params.grammar`` for one answer (None for free text); the grammar's
+        end-of-sequence joins ``params.eos_token_ids`` so the answer ends where the grammar does."""
+        if params.grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidInputError("constrained decoding needs an engine with a tokenizer")
+        constraint = TokenConstraint(params.grammar, self.tokenizer, self.vocab_size)
+        params.eos_token_ids = tuple(sorted(set(params.eos_token_ids) | set(constraint.eos_token_ids)))
+        return constraint
 
     def generate(self, past: Past, prompt_ids: Sequence[int], start: int, params: SamplingParams) -> TextStream:
         """Stream text pieces after ``prompt_ids``; stops at EOS, a stop string or the token limit."""

@@ -11,6 +11,7 @@ The tree::
     ├── ChunkNotFoundError         a chunk id the window or store does not know
     ├── WindowOperationError       an operation that is invalid for the window's current state
     ├── KernelBuildError           the fused CPU kernel could not be built (KAMERA_KERNEL=c) or failed to run
+    ├── ConstraintError            constrained decoding left its grammar (a parser limit was hit)
     └── StoreError                 a stored entry that cannot be used
         ├── FingerprintMismatchError   an entry written by another model
         └── ChecksumError              an entry whose bytes do not match their checksum
@@ -55,6 +56,10 @@ class ChunkNotFoundError(KameraError, KeyError):
 
 class WindowOperationError(KameraError):
     """The operation is not valid for the window's current state (nothing was changed)."""
+
+
+class ConstraintError(KameraError):
+    """Constrained decoding could not go on: the grammar's matcher reached an error state."""
 
 
 class StoreError(KameraError):

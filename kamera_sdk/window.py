@@ -27,6 +27,7 @@ from kamera_engine import (
     KV,
     ChunkNotFoundError,
     Engine,
+    Grammar,
     InvalidInputError,
     SamplingParams,
     WindowOperationError,
@@ -409,6 +410,7 @@ class ContextWindow:
         top_p: float = ...,
         stop: str | Sequence[str] | None = ...,
         seed: int | None = ...,
+        grammar: Grammar | None = ...,
     ) -> str: ...
     @overload
     def generate(
@@ -421,6 +423,7 @@ class ContextWindow:
         top_p: float = ...,
         stop: str | Sequence[str] | None = ...,
         seed: int | None = ...,
+        grammar: Grammar | None = ...,
     ) -> TextStream: ...
 
     def generate(
@@ -433,17 +436,20 @@ class ContextWindow:
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        grammar: Grammar | None = None,
     ) -> str | TextStream:
         """Answer the prompt over the window (greedy by default). ``stream=True`` returns a ``TextStream``:
         the text pieces as they are decoded, then its ``tokens`` and ``finish_reason``. ``stop``: a string,
-        or strings, that end the answer (not included). The window, the prompt and ``max_new_tokens``
-        must fit the model's context (``ContextLengthError``)."""
+        or strings, that end the answer (not included). ``grammar``: what the answer must match (a JSON
+        schema, regex or Lark grammar: ``Grammar.json_schema(...)``; every token outside it is masked). The
+        window, the prompt and ``max_new_tokens`` must fit the model's context (``ContextLengthError``)."""
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             stop=stop_strings(stop),
             seed=seed,
+            grammar=grammar,
         )
         params.validate()
         ids = self._prompt_ids(prompt)

@@ -47,7 +47,6 @@ from .schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionMessage,
     ChatCompletionRequest,
     ChunkAdd,
     ChunkAdded,
@@ -69,6 +68,7 @@ from .schemas import (
     SessionCreated,
     SlideRequest,
     SlideResult,
+    ToolCallDelta,
     Usage,
     WindowState,
 )
@@ -350,16 +350,16 @@ def create_app(
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            body = _sse_chat(worker, start, cid, created, model, include_usage)
+            body = _sse_chat(worker, start, cid, created, model, include_usage, req)
             return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
         text = (start.first or "") + "".join(await _collect(request, worker.iterate(start.pieces)))
-        usage = _usage(start)
+        message, finish = chat_ops.answer_message(req, text, _finish(start.pieces))
         return ChatCompletion(
             id=cid,
             created=created,
             model=model,
-            choices=[ChatChoice(message=ChatCompletionMessage(content=text), finish_reason=_finish(start.pieces))],
-            usage=usage,
+            choices=[ChatChoice(message=message, finish_reason=finish)],
+            usage=_usage(start),
         )
 
     return app
@@ -414,8 +414,10 @@ async def _sse_chat(
     created: int,
     model: str,
     include_usage: bool,
+    req: ChatCompletionRequest,
 ) -> AsyncIterator[bytes]:
-    """OpenAI's stream: a role delta, content deltas, a finish chunk, optionally usage, then ``[DONE]``."""
+    """OpenAI's stream: a role delta, content deltas, a finish chunk, optionally usage, then ``[DONE]``.
+    With tools the answer is held back until it is known to be a call (one ``tool_calls`` delta) or text."""
 
     def chunk(delta: ChunkDelta, finish: Any = None) -> bytes:
         c = ChatCompletionChunk(
@@ -425,12 +427,24 @@ async def _sse_chat(
 
     try:
         yield chunk(ChunkDelta(role="assistant", content=""))
-        if start.first is not None:
+        held = chat_ops.request_tools(req) != []
+        text = [] if start.first is None else [start.first]
+        if start.first is not None and not held:
             yield chunk(ChunkDelta(content=start.first))
         async for piece in worker.iterate(start.pieces):
-            yield chunk(ChunkDelta(content=piece))
+            text.append(piece)
+            if not held:
+                yield chunk(ChunkDelta(content=piece))
         usage = _usage(start)
-        yield chunk(ChunkDelta(), _finish(start.pieces))
+        finish = _finish(start.pieces)
+        if held:
+            message, finish = chat_ops.answer_message(req, "".join(text), finish)
+            if message.tool_calls:
+                calls = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(message.tool_calls)]
+                yield chunk(ChunkDelta(tool_calls=calls))
+            elif message.content:
+                yield chunk(ChunkDelta(content=message.content))
+        yield chunk(ChunkDelta(), finish)
         if include_usage:
             tail = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
             yield encode_event(tail.model_dump(mode="json", exclude_none=True))

@@ -17,17 +17,19 @@ into an answer.
 from __future__ import annotations
 
 import binascii
+import json
 import weakref
 from dataclasses import dataclass
 
-from kamera_engine import Engine, InvalidInputError, SamplingParams
+from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
 from kamera_engine.decode import TextStream, stop_strings
 
 from ..chat_format import OpenTurnFormat
+from ..tools import ToolCall, ToolSpec, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .ops import Limits, add_image, check_tokens, decode_image
-from .schemas import ChatCompletionRequest, ChatMessage
+from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
 DEFAULT_MAX_TOKENS = 256
@@ -152,9 +154,54 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=stop_strings(req.stop),
         seed=req.seed,
+        grammar=answer_grammar(req),
     )
     params.validate()  # before the window is touched: a refused request changes nothing
     return params
+
+
+def request_tools(req: ChatCompletionRequest) -> list[ToolSpec]:
+    """The tools the model may call in this answer (none when ``tool_choice`` is ``"none"``)."""
+    if not req.tools or req.tool_choice == "none":
+        return []
+    specs = []
+    for tool in req.tools:
+        fn = tool.function
+        try:
+            specs.append(ToolSpec(name=fn.name, description=fn.description or "", parameters=fn.parameters or {}))
+        except ValueError as exc:
+            raise InvalidInputError(f"tool {fn.name!r}: {exc}") from None
+    return specs
+
+
+def answer_grammar(req: ChatCompletionRequest) -> Grammar | None:
+    """What the answer must match: a tool call (``tools``), JSON (``response_format``), or free text."""
+    tools = request_tools(req)
+    if tools and req.response_format is not None and req.response_format.type != "text":
+        raise InvalidInputError("pass tools or a JSON response_format, not both")
+    if tools:
+        choice = req.tool_choice
+        name = choice if isinstance(choice, str) or choice is None else choice.function.name
+        return tool_grammar(tools, "auto" if name is None else name)
+    if req.response_format is None or req.response_format.type == "text":
+        return None
+    if req.response_format.type == "json_object":
+        return json_grammar(True)
+    if req.response_format.json_schema is None:
+        raise InvalidInputError("response_format of type json_schema needs its json_schema object")
+    return json_grammar(req.response_format.json_schema.schema_)
+
+
+def answer_message(req: ChatCompletionRequest, text: str, finish: str) -> tuple[ChatCompletionMessage, str]:
+    """The assistant message of an answer and its finish reason: a tool call when the model made one."""
+    call = parse_tool_call(text, request_tools(req)) if request_tools(req) else None
+    if call is None:
+        return ChatCompletionMessage(content=text), finish
+    return ChatCompletionMessage(content=None, tool_calls=[tool_call_out(call)]), "tool_calls"
+
+
+def tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=json.dumps(call.arguments)))
 
 
 def _fit_answer(engine: Engine, req: ChatCompletionRequest, params: SamplingParams, positions: int) -> None:
@@ -203,6 +250,7 @@ def start_chat(
             top_p=params.top_p,
             stop=list(params.stop),
             seed=params.seed,
+            grammar=params.grammar,
         )
         computed = win.stats().computed_since(before) + len(prompt_ids)
         context = anchor + win.tokens

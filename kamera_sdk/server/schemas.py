@@ -190,6 +190,40 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Lenient):
+    name: str = "answer"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (valid under its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_Lenient):
     """The subset of OpenAI's request Kamera serves; other fields are accepted and ignored.
 
@@ -211,17 +245,33 @@ class ChatCompletionRequest(_Lenient):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     session: str | None = Field(None, max_length=128)
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatCompletionMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: None = None
 
 
@@ -245,15 +295,20 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCallOut):
+    index: int = 0
+
+
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: None = None
 
 

@@ -1,0 +1,90 @@
+"""Tool calls and structured answers: what an agent's model may emit, as a grammar, and back again.
+
+A tool call is emitted as one JSON object ``{"name": <tool>, "arguments": {...}}`` whose arguments
+follow that tool's JSON schema; constrained decoding (``kamera_engine.Grammar``) makes every token of it
+admissible, so the agent always gets a call it can parse, even from a small model. ``choice="auto"``
+lets the model answer in plain text instead (text that does not open with ``{``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from kamera_engine import Grammar, InvalidInputError
+
+#: JSON with no free whitespace inside tool calls (each token carries content)
+_COMPACT = {"whitespace_flexible": False}
+
+
+class ToolSpec(BaseModel):
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolCall(BaseModel):
+    """One call the model made: the tool's name and its parsed arguments."""
+
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    name: str
+    arguments: dict[str, Any]
+
+
+def json_grammar(schema: Mapping[str, Any] | bool) -> Grammar:
+    """Answers that are JSON documents valid under ``schema`` (``True``: any JSON object)."""
+    return Grammar.json_schema(schema)
+
+
+def tool_grammar(tools: Sequence[ToolSpec], choice: str = "auto") -> Grammar:
+    """What the model may emit given ``tools``: ``"required"`` a call of any of them, a tool's name a call of
+    that tool, ``"auto"`` a call or plain text."""
+    if not tools:
+        raise InvalidInputError("tools must name at least one tool")
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidInputError(f"tool names must be unique, got {names}")
+    if choice not in ("auto", "required"):
+        if choice not in names:
+            raise InvalidInputError(f"tool_choice names {choice!r}, which is not among the tools {names}")
+        tools = [t for t in tools if t.name == choice]
+    schema = _calls_schema(tools)
+    if choice != "auto":
+        return Grammar.json_schema(schema)
+    # a call, or text that does not open with '{' (so a call is never half text)
+    return Grammar.lark(f"start: call | TEXT\ncall: %json {json.dumps(schema)}\nTEXT: /[^{{\\s][\\s\\S]*/\n")
+
+
+def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | None:
+    """The call in an answer decoded under ``tool_grammar``, or None when the model answered in text."""
+    stripped = text.strip()
+    if not stripped.startswith("{"):
+        return None
+    try:
+        obj = json.loads(stripped)
+    except json.JSONDecodeError:
+        return None  # cut short by max_tokens: the caller reports the text and finish_reason "length"
+    if not isinstance(obj, dict) or obj.get("name") not in {t.name for t in tools}:
+        return None
+    arguments = obj.get("arguments")
+    return ToolCall(name=obj["name"], arguments=arguments if isinstance(arguments, dict) else {})
+
+
+def _calls_schema(tools: Sequence[ToolSpec]) -> dict[str, Any]:
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": _COMPACT}
