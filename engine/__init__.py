@@ -1,8 +1,11 @@
 """kamera_engine: the embedded engine (models, RoPE, the KV operator, forward and decode).
 
 Layering: this package never imports ``kamera_sdk``. Public names are listed in ``__all__``.
+Importing it registers every model family (text adapters and vision families), so ``Engine.load`` can
+serve any of them.
 """
 
+from . import vision  # noqa: F401  (registers the vision families' engine with the loader)
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
 from .decode import SamplingParams, TextStream
 from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home
@@ -22,6 +25,7 @@ from .errors import (
     WindowOperationError,
 )
 from .kv import KV
+from .loading import LoadSettings, ModelSource, load_engine, resolve_device, resolve_dtype
 from .operator import Patch, apply_patch, conditioning_delta, form_patch, make_free, reconstruct, relocate
 from .rope import RopeSpec, rotate_keys
 
@@ -40,9 +44,11 @@ __all__ = [
     "InvalidInputError",
     "KameraError",
     "KernelBuildError",
+    "LoadSettings",
     "MediaError",
     "ModelAdapter",
     "ModelLoadError",
+    "ModelSource",
     "Patch",
     "RopeSpec",
     "SamplingParams",
@@ -55,9 +61,12 @@ __all__ = [
     "conditioning_delta",
     "form_patch",
     "kamera_home",
+    "load_engine",
     "make_free",
     "reconstruct",
     "register",
     "relocate",
+    "resolve_device",
+    "resolve_dtype",
     "rotate_keys",
 ]
