@@ -1,8 +1,11 @@
 """kamera_engine: the embedded engine (models, RoPE, the KV operator, forward and decode).
 
 Layering: this package never imports ``kamera_sdk``. Public names are listed in ``__all__``.
+Importing it registers every model family (text adapters and vision families), so ``Engine.load`` can
+serve any of them.
 """
 
+from . import vision  # noqa: F401  (registers the vision families' engine with the loader)
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
 from .constrained import Grammar
 from .decode import SamplingParams, TextStream
@@ -24,6 +27,7 @@ from .errors import (
     WindowOperationError,
 )
 from .kv import KV
+from .loading import LoadSettings, ModelSource, load_engine, resolve_device, resolve_dtype
 from .operator import Patch, apply_patch, conditioning_delta, form_patch, make_free, reconstruct, relocate
 from .rope import RopeSpec, rotate_keys
 
@@ -44,9 +48,11 @@ __all__ = [
     "InvalidInputError",
     "KameraError",
     "KernelBuildError",
+    "LoadSettings",
     "MediaError",
     "ModelAdapter",
     "ModelLoadError",
+    "ModelSource",
     "Patch",
     "RopeSpec",
     "SamplingParams",
@@ -59,9 +65,12 @@ __all__ = [
     "conditioning_delta",
     "form_patch",
     "kamera_home",
+    "load_engine",
     "make_free",
     "reconstruct",
     "register",
     "relocate",
+    "resolve_device",
+    "resolve_dtype",
     "rotate_keys",
 ]

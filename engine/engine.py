@@ -20,13 +20,13 @@ from torch import nn
 
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
-from .attention import resolve_attention
 from .constrained import TokenConstraint
 from .decode import SamplingParams, TextStream, decode_tokens
-from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
 from .fingerprint import engine_fingerprint
 from .kv import KV, Past
+from .loading import LoadSettings, ModelSource, load_engine
+from .loading import resolve_device as resolve_device  # re-exported: callers read the device before a load
 from .operator import Patch
 from .rope import RopeSpec
 from .runner import ForwardResult, Prefilled, run_forward
@@ -62,6 +62,15 @@ class EngineCounters(BaseModel):
     forward_s: float = 0.0
 
 
+def _swap(kv: KV) -> KV:
+    """The KV with its key and value slots exchanged (the operator's view of a ``rope_in_values`` cache)."""
+    return KV(kv.values, kv.keys, kv.positions, kv.deltas)
+
+
+def _swap_patch(patch: Patch) -> Patch:
+    return Patch(patch.v_u, patch.v_vt, patch.k_u, patch.k_vt, patch.layers)
+
+
 class Engine:
     """A model plus everything needed to prefill, relocate, patch and decode its KV."""
 
@@ -85,6 +94,10 @@ class Engine:
         probe = self._probe_shapes()
         self.num_layers, self.num_kv_heads, self.key_dim, self.value_dim = probe
         self.rope: RopeSpec = self.adapter.rope_spec(model, self.key_dim)
+        #: the cache holds the rotated band in its value slot (MLA's ``k_pe``), declared by the adapter
+        self.rope_in_values: bool = self.adapter.rope_in_values
+        #: the spec the operator rotates with: ``rope``, or the value slot's own when ``rope_in_values``
+        self.operator_rope: RopeSpec = self._operator_rope()
         self.context_length = self.adapter.context_length()
         if anchor_ids is not None:
             self.anchor_ids = [int(i) for i in anchor_ids]
@@ -107,35 +120,37 @@ class Engine:
         ``device``: ``"cpu"``, ``"cuda"``... (default: cuda when available). ``dtype``: default float32
         on CPU, bfloat16 on GPU. ``attn``: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"`` (default:
         flash-attn when CUDA and the package are present, else SDPA). No network access is attempted
-        for the default model. A vision-language checkpoint of a registered family loads as a
-        ``VisionEngine`` (a subclass).
+        for the default model or a local directory; a hub id not in the local cache fails at once when the
+        hub cannot be reached. A vision-language checkpoint of a registered family loads as a
+        ``VisionEngine`` (a subclass). See ``loading.py``.
         """
+        return load_engine(cls, model, device=device, dtype=dtype, attn=attn)
+
+    @classmethod
+    def from_source(cls, source: ModelSource, settings: LoadSettings) -> Engine:
+        """Build from a located model (the loader's last step): its tokenizer and causal-LM weights."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dev = resolve_device(device)
-        torch_dtype = _resolve_dtype(dtype, dev)
-        attention = resolve_attention(attn, dev)
-        if model is None:
-            path: str | Path = ensure_converted()
-            name = DEFAULT_MODEL_NAME
-        else:
-            path, name = model, str(model)
-            if _looks_local(model):
-                path = Path(model).expanduser()
-                if not path.exists():
-                    raise ModelLoadError(f"model path not found: {model}")
-            vision = _vision_engine_class(path)
-            if vision is not None:  # a vision-language checkpoint: its processor and model classes
-                return vision.load(path, device=device, dtype=dtype, attn=attn)
+        offline = source.pretrained_kwargs()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(source.path, **offline)
         except Exception as exc:
-            raise ModelLoadError(f"could not load the tokenizer of {name}: {exc}") from exc
+            raise ModelLoadError(f"could not load the tokenizer of {source.name}: {exc}") from exc
         try:
-            hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=attention)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=settings.dtype, attn_implementation=settings.attention, **offline
+            )
         except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"could not load model {name}: {exc}") from exc
-        return cls(hf_model.to(dev), tokenizer, name=name, attention=attention)
+            raise ModelLoadError(f"could not load model {source.name}: {exc}") from exc
+        return cls(hf_model.to(settings.device), tokenizer, name=source.name, attention=settings.attention)
+
+    def _operator_rope(self) -> RopeSpec:
+        if not self.rope_in_values:
+            return self.rope
+        r = self.rope.rotary_dim
+        if r != self.value_dim:
+            raise UnsupportedModelError(f"{self.name}: RoPE band of {r} features != cached {self.value_dim}")
+        return RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
 
     def _probe_shapes(self) -> tuple[int, int, int, int]:
         """Layers, KV heads and key/value dims, read off a one-token forward (family independent)."""
@@ -299,15 +314,30 @@ class Engine:
             raise InvalidInputError("a chunk needs at least one token")
         past = self.anchor_kv if anchored and self.anchor_ids else None
         start = len(self.anchor_ids) if past is not None else 0
-        res = self.forward(ids, None if past is None else past, start, logits="none")
-        return op.make_free(res.kv.to("cpu"), self.rope)
+        res = self.forward(ids, past, start, logits="none")
+        return self.make_free(res.kv.to("cpu"))
 
     # --- the operator, bound to this model's RoPE ---------------------------------------------
+    # Two hooks adapt the operator to a model: ``rope_for`` (the spec for a run of tokens, a family with
+    # per-token position offsets binds them there) and ``rope_in_values`` (the operator works on the KV
+    # with key and value slots swapped, so the rotation lands on the band and the other slot is carried
+    # byte for byte; patches are swapped back).
+    def rope_for(self, deltas: torch.Tensor | None) -> RopeSpec:
+        """The spec the operator rotates a run of tokens with, given their per-token axis offsets
+        (``KV.deltas``; None for text). Families with multi-axis positions override this."""
+        return self.operator_rope
+
+    def _view(self, kv: KV) -> KV:
+        return _swap(kv) if self.rope_in_values else kv
+
+    def _view_patch(self, patch: Patch | None) -> Patch | None:
+        return _swap_patch(patch) if self.rope_in_values and patch is not None else patch
+
     def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
-        return op.relocate(kv, self.rope, target, exact=exact)
+        return self._view(op.relocate(self._view(kv), self.rope_for(kv.deltas), target, exact=exact))
 
     def make_free(self, kv: KV) -> KV:
-        return op.make_free(kv, self.rope)
+        return self._view(op.make_free(self._view(kv), self.rope_for(kv.deltas)))
 
     def reconstruct(self, canonical: KV, patch: Patch | None) -> KV:
         return op.reconstruct(canonical, patch)
@@ -321,10 +351,16 @@ class Engine:
         layers: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ) -> Patch:
-        return op.form_patch(conditioned, canonical, self.rope, rank, layers=layers, dtype=dtype)
+        """A rank-``rank`` patch of ``canonical`` from its conditioned KV(s) (the same tokens: the canonical's
+        deltas are theirs)."""
+        views = self._view(conditioned) if isinstance(conditioned, KV) else [self._view(c) for c in conditioned]
+        spec = self.rope_for(canonical.deltas)
+        patch = op.form_patch(views, self._view(canonical), spec, rank, layers=layers, dtype=dtype)
+        return _swap_patch(patch) if self.rope_in_values else patch
 
     def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
-        return op.apply_patch(canonical, patch, self.rope, target, exact=exact)
+        spec = self.rope_for(canonical.deltas)
+        return self._view(op.apply_patch(self._view(canonical), self._view_patch(patch), spec, target, exact=exact))
 
     def deep_layers(self, fraction: float = 0.5) -> list[int]:
         """The deepest ``fraction`` of layers (the deep-only patch variant)."""
@@ -381,49 +417,3 @@ class Engine:
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
         return TextStream(token_ids, self.tokenizer, params)
-
-
-def _vision_engine_class(path: str | Path) -> type[Engine] | None:
-    """``VisionEngine`` when ``path`` holds a config of a registered vision family, else None."""
-    from transformers import AutoConfig
-
-    try:
-        model_type = getattr(AutoConfig.from_pretrained(str(path)), "model_type", None)
-    except Exception:  # not readable as a config here: the text path reports the real error
-        return None
-    from .vision import FAMILIES, VisionEngine
-
-    return VisionEngine if model_type in FAMILIES else None
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """The device a load runs on: ``device`` as given (checked), else cuda when available, else cpu."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"unknown device {device!r}: use cpu, cuda or cuda:<index>") from exc
-
-
-def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in table:
-        raise InvalidInputError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
-    return table[dtype]
-
-
-def _looks_local(model: str | Path) -> bool:
-    """A Path, or a string written as a filesystem path (not a hub id such as ``org/name``)."""
-    return isinstance(model, Path) or str(model).startswith(("/", "./", "../", "~"))

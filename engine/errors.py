@@ -1,23 +1,30 @@
 """Kamera's exceptions, in one place.
 
-The tree::
+The tree (every class of this module; a test checks it against the classes)::
 
     KameraError
-    ├── UnsupportedModelError      a model family, RoPE variant or feature the operator cannot serve exactly
-    ├── ModelLoadError             weights or tokenizer could not be found or loaded
-    ├── InvalidInputError          malformed user input (bad ids, shapes, ranks, positions, arguments)
-    │   ├── MediaError             an image / video that does not decode, a refused or oversized URL
-    │   └── ContextLengthError     a window, prompt and answer longer than the model's context
-    ├── ChunkNotFoundError         a chunk id the window or store does not know
-    ├── WindowOperationError       an operation that is invalid for the window's current state
-    ├── KernelBuildError           the fused CPU kernel could not be built (KAMERA_KERNEL=c) or failed to run
-    ├── ConstraintError            constrained decoding left its grammar (a parser limit was hit)
-    └── StoreError                 a stored entry that cannot be used
+    ├── UnsupportedModelError          a model family, RoPE variant or feature the operator cannot serve exactly
+    ├── ModelLoadError                 weights, config or tokenizer could not be found or loaded
+    ├── InvalidInputError              malformed user input (bad ids, shapes, ranks, positions, arguments)
+    │   ├── MediaError                 an image / video that cannot be used
+    │   │   ├── ImageDecodeError           bytes that do not decode as an image (or a video)
+    │   │   ├── MediaTooLargeError         a download, file or image over the size limit
+    │   │   ├── MediaTypeError             a URL that answered with a content type that is not an image
+    │   │   ├── RedirectError              a URL that redirected in a loop or too often
+    │   │   ├── UnsupportedSchemeError     a URL whose scheme is not http or https
+    │   │   └── MediaFetchError            a URL that could not be fetched (connection, timeout, HTTP status)
+    │   └── ContextLengthError         a window, prompt and answer longer than the model's context
+    ├── ChunkNotFoundError             a chunk id the window or store does not know (also a KeyError)
+    ├── WindowOperationError           an operation that is invalid for the window's current state
+    ├── KernelBuildError               the fused CPU kernel could not be built (KAMERA_KERNEL=c) or failed to run
+    ├── ConstraintError                constrained decoding left its grammar (a parser limit was hit)
+    └── StoreError                     a stored entry that cannot be used
         ├── FingerprintMismatchError   an entry written by another model
         └── ChecksumError              an entry whose bytes do not match their checksum
 
-Lower-level errors (torch, transformers, sqlite, redis, httpx) are converted at the boundary with
-``raise ... from exc`` so callers only need to catch ``KameraError``. The SDK re-exports all of them.
+``InvalidInputError`` is also a ``ValueError``. Lower-level errors (torch, transformers, sqlite, redis,
+httpx) are converted at the boundary with ``raise ... from exc`` so callers only need to catch
+``KameraError``. The SDK re-exports all of them.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class ChecksumError(StoreError):
 __all__ = [
     "ChecksumError",
     "ChunkNotFoundError",
+    "ConstraintError",
     "ContextLengthError",
     "FingerprintMismatchError",
     "InvalidInputError",

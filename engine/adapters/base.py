@@ -33,6 +33,10 @@ class ModelAdapter:
     #: A config's ``sliding_window`` applies unless it says ``use_sliding_window=False`` (VLM text
     #: configs carry a window they do not use unless told to).
     sliding_by_default: ClassVar[bool] = True
+    #: The cache holds the rotated RoPE band in its *value* slot and a RoPE-free channel in its key slot
+    #: (Multi-head Latent Attention: ``k_pe`` beside the latent). The engine's operator then rotates only
+    #: the value slot and carries the key slot byte for byte; the patch still covers both.
+    rope_in_values: ClassVar[bool] = False
 
     def __init__(self, config: Any, name: str | None = None) -> None:
         self.config = config

@@ -21,8 +21,12 @@ token ids like any other:
   ``max(t, h, w) + 1``; here it continues at the chunk's token count, the same for every policy and for
   re-prefill.)
 * **MLA.** DeepSeek-V2/V3 attention caches the RoPE-free latent and the decoupled ``k_pe`` band in the
-  cache's key and value slots; such families set ``rope_in_values`` and relocation rotates only the
-  band (the latent is carried byte for byte), while the patch covers both channels.
+  cache's key and value slots; such adapters declare ``rope_in_values`` and the base engine's operator
+  rotates only the band (the latent is carried byte for byte), while the patch covers both channels.
+
+The operator itself is the base :class:`~kamera_engine.engine.Engine`'s; this class only binds each KV's
+deltas into the spec it rotates with (:meth:`VisionEngine.rope_for`). Loading goes through the one loader
+(``loading.py``), with which this module registers the vision families' model types.
 """
 
 from __future__ import annotations
@@ -35,14 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import operator as op
 from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from ..kv import KV, Past
-from ..operator import Patch
+from ..loading import LoadSettings, ModelSource, load_engine, register_engine_kind
 from ..rope import RopeSpec
 from ..runner import ForwardResult, past_cache
-from .base import Features, MediaInput, VisionFamily, family_for
+from .base import FAMILIES, Features, MediaInput, VisionFamily, family_for
 from .cache import VisionCache, tensors_device
 from .mrope import MRopeSpec
 
@@ -80,16 +83,8 @@ class VisionEngine(Engine):
         self._bases = torch.empty(0, dtype=torch.long)
         self._by_digest: dict[tuple[str, str], MediaEntry] = {}
         super().__init__(model, self.family.tokenizer(), name=name, anchor_ids=anchor_ids, attention=attention)
-        self.rope_in_values = bool(getattr(self.family, "rope_in_values", False))
-        self._vspec: RopeSpec | None = None
-        if self.rope_in_values:
-            r = self.rope.rotary_dim
-            if r != self.value_dim:
-                raise UnsupportedModelError(f"{self.name}: RoPE band of {r} features != cached {self.value_dim}")
-            self._vspec = RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
-        base = self._vspec or self.rope
-        axes = self.family.rope_axes(base.rotary_dim // 2)
-        self._mrope: MRopeSpec | None = None if axes is None else MRopeSpec.of(base, axes)
+        axes = self.family.rope_axes(self.operator_rope.rotary_dim // 2)
+        self._mrope: MRopeSpec | None = None if axes is None else MRopeSpec.of(self.operator_rope, axes)
         self.vision_cache = VisionCache(self.fingerprint, cache_dir)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -103,24 +98,35 @@ class VisionEngine(Engine):
         attn: str | None = None,
         cache_dir: str | Path | None = None,
     ) -> VisionEngine:
-        """Load a VLM and its processor by Hugging Face id or local path (the real ``from_pretrained``)."""
+        """Load a VLM and its processor by Hugging Face id or local path (the real ``from_pretrained``), as
+        ``Engine.load`` does; ``cache_dir``: where vision-tower outputs are kept."""
+        return load_engine(cls, model, device=device, dtype=dtype, attn=attn, cache_dir=cache_dir)
+
+    @classmethod
+    def from_source(
+        cls, source: ModelSource, settings: LoadSettings, *, cache_dir: str | Path | None = None
+    ) -> VisionEngine:
+        """Build from a located VLM (the loader's last step): its processor and image-text-to-text weights."""
         from transformers import AutoModelForImageTextToText
 
-        from ..attention import resolve_attention
-        from ..engine import _resolve_dtype, resolve_device
         from .processors import load_processor
 
-        dev = resolve_device(device)
-        torch_dtype = _resolve_dtype(dtype, dev)
-        attention = resolve_attention(attn, dev)
-        processor = load_processor(str(model))
+        model_type = getattr(source.config, "model_type", None)
+        if model_type not in FAMILIES:
+            raise UnsupportedModelError(
+                f"{source.name}: model type {model_type!r} has no Kamera vision family; supported: {sorted(FAMILIES)}"
+            )
+        offline = source.pretrained_kwargs()
+        processor = load_processor(source.path, **offline)
         try:
             hf = AutoModelForImageTextToText.from_pretrained(
-                str(model), dtype=torch_dtype, attn_implementation=attention
+                source.path, dtype=settings.dtype, attn_implementation=settings.attention, **offline
             )
         except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"could not load model {model}: {exc}") from exc
-        return cls(hf.to(dev), processor, name=str(model), attention=attention, cache_dir=cache_dir)
+            raise ModelLoadError(f"could not load model {source.name}: {exc}") from exc
+        return cls(
+            hf.to(settings.device), processor, name=source.name, attention=settings.attention, cache_dir=cache_dir
+        )
 
     # --- media ----------------------------------------------------------------------------------
     def register_image(self, image: Any, digest: str) -> MediaEntry:
@@ -242,55 +248,13 @@ class VisionEngine(Engine):
         cfg = self.model.config
         return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
-    def canonical(self, ids: Sequence[int], *, anchored: bool = True) -> KV:
-        """KV(B | ∅), position-free; the un-rotation goes through this engine's operator (MLA-aware)."""
-        if len(ids) == 0:
-            raise InvalidInputError("a chunk needs at least one token")
-        past = self.anchor_kv if anchored and self.anchor_ids else None
-        start = len(self.anchor_ids) if past is not None else 0
-        res = self.forward(ids, past, start, logits="none")
-        return self.make_free(res.kv.to("cpu"))
-
-    # --- the operator: M-RoPE angles per token, and MLA's RoPE band in the value slot -------------------
-    # Every call runs with the spec bound to the KV's deltas (``_spec``), so vision tokens get their
-    # per-axis float32 angles (the operator's functions keep the deltas on their results).
-    # MLA caches (latent, k_pe) in the (key, value) slots: every operator call runs on the swapped KV
-    # (``_view``), so the rotation lands on k_pe and the latent is carried byte for byte; patches are
-    # swapped back.
-    def _spec(self, deltas: torch.Tensor | None) -> RopeSpec:
+    # --- the operator: M-RoPE angles per token -----------------------------------------------------
+    def rope_for(self, deltas: torch.Tensor | None) -> RopeSpec:
+        """The spec bound to a KV's deltas, so vision tokens get their per-axis float32 angles (the operator's
+        functions keep the deltas on their results)."""
         if self._mrope is not None and deltas is not None:
             return self._mrope.bind(deltas)
-        return self._vspec or self.rope
-
-    def _view(self, kv: KV) -> KV:
-        return _swap(kv) if self._vspec is not None else kv
-
-    def _view_patch(self, patch: Patch | None) -> Patch | None:
-        return _swap_patch(patch) if patch is not None and self._vspec is not None else patch
-
-    def relocate(self, kv: KV, target: torch.Tensor | int, *, exact: bool = True) -> KV:
-        return self._view(op.relocate(self._view(kv), self._spec(kv.deltas), target, exact=exact))
-
-    def make_free(self, kv: KV) -> KV:
-        return self._view(op.make_free(self._view(kv), self._spec(kv.deltas)))
-
-    def form_patch(
-        self,
-        conditioned: KV | Sequence[KV],
-        canonical: KV,
-        rank: int,
-        *,
-        layers: Sequence[int] | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> Patch:
-        items = [conditioned] if isinstance(conditioned, KV) else list(conditioned)
-        views = [self._view(c) for c in items]  # the same chunk's tokens: the canonical's deltas are theirs
-        spec = self._spec(canonical.deltas)
-        return self._view_patch(op.form_patch(views, self._view(canonical), spec, rank, layers=layers, dtype=dtype))
-
-    def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
-        spec = self._spec(canonical.deltas)
-        return self._view(op.apply_patch(self._view(canonical), self._view_patch(patch), spec, target, exact=exact))
+        return super().rope_for(deltas)
 
     # --- reporting ------------------------------------------------------------------------------
     @property
@@ -298,9 +262,4 @@ class VisionEngine(Engine):
         return self.vision_cache.stats.tower_runs
 
 
-def _swap(kv: KV) -> KV:
-    return KV(kv.values, kv.keys, kv.positions, kv.deltas)
-
-
-def _swap_patch(p: Patch) -> Patch:
-    return Patch(p.v_u, p.v_vt, p.k_u, p.k_vt, p.layers)
+register_engine_kind(VisionEngine, FAMILIES)

@@ -3,7 +3,7 @@
 MLA caches the compressed latent ``c_KV`` (no RoPE: the content channel) and the decoupled, shared
 ``k_pe`` (the RoPE band) per token; transformers stores them in the cache's key and value slots
 respectively. Relocation therefore rotates only the ``k_pe`` band (the cache's *value* slot) and leaves the
-latent byte-identical; the conditioning patch covers both channels (``rope_in_values`` in ``engine.py``).
+latent byte-identical; the conditioning patch covers both channels (the adapter declares ``rope_in_values``).
 DeepSeek lays the band out in interleaved pairs and the model de-interleaves it before rotating, so the
 cached band is in rotate-half layout.
 
@@ -30,14 +30,14 @@ from .base import Features, MediaInput, VisionAdapter, VisionFamily, register_fa
 class KimiK25Adapter(VisionAdapter):
     name = "kimi_k25"
     model_types = ("kimi_k25",)
+    #: MLA: the cache's value slot holds the rotated ``k_pe``, its key slot the RoPE-free latent
+    rope_in_values = True
 
 
 @register_family
 class KimiK25Family(VisionFamily):
     name = "kimi_k25"
     model_types = ("kimi_k25",)
-    #: the cache's value slot holds the rotated ``k_pe``; its key slot the RoPE-free latent
-    rope_in_values = True
 
     def language_model(self) -> nn.Module:
         return self.model.model.language_model

@@ -23,20 +23,21 @@ class ImageTextProcessor:
     chat_template: str | None = None
 
 
-def load_processor(path: str) -> Any:
-    """The processor of a VLM checkpoint (``AutoProcessor``, or tokenizer + image processor)."""
+def load_processor(path: str, **pretrained: Any) -> Any:
+    """The processor of a VLM checkpoint (``AutoProcessor``, or tokenizer + image processor); ``pretrained``:
+    keywords every ``from_pretrained`` takes (e.g. ``local_files_only``)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, **pretrained)
     except (ImportError, AttributeError, TypeError, ValueError, OSError):
         pass  # e.g. a bundled video processor that needs torchvision
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, **pretrained)
     except Exception as exc:
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     try:
-        image = AutoImageProcessor.from_pretrained(path, backend="pil")
+        image = AutoImageProcessor.from_pretrained(path, backend="pil", **pretrained)
     except Exception:
         image = None  # no PIL image processor for this family: the family preprocesses itself
     return ImageTextProcessor(tok, image, getattr(tok, "chat_template", None))
