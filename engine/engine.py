@@ -26,7 +26,6 @@ from .errors import ContextLengthError, InvalidInputError, ModelLoadError, Unsup
 from .fingerprint import engine_fingerprint
 from .kv import KV, Past
 from .loading import LoadSettings, ModelSource, load_engine
-from .loading import resolve_device as resolve_device  # re-exported: callers read the device before a load
 from .operator import Patch
 from .rope import RopeSpec
 from .runner import ForwardResult, Prefilled, run_forward

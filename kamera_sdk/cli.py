@@ -64,8 +64,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
+    from kamera_engine import resolve_device
     from kamera_engine.attention import flash_attn_available, resolve_attention
-    from kamera_engine.engine import resolve_device
 
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,

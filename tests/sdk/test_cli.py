@@ -20,8 +20,8 @@ def test_doctor_json_reports_the_default_model(capsys) -> None:
 
 
 def test_doctor_reports_device_and_attention_when_the_model_does_not_load(capsys, tmp_path) -> None:
+    from kamera_engine import resolve_device
     from kamera_engine.attention import resolve_attention
-    from kamera_engine.engine import resolve_device
 
     assert main(["doctor", "--json", "--model", str(tmp_path / "missing")]) == 1
     report = json.loads(capsys.readouterr().out)
