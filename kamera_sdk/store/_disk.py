@@ -68,7 +68,7 @@ def _header_meta(header: dict[str, Any]) -> str:
     return json.dumps(meta if isinstance(meta, dict) else {}, sort_keys=True)
 
 
-class _BrokenIndex(Exception):
+class _BrokenIndex(StoreError):
     """The index file exists but is not a usable Kamera index (garbage, corrupt, another schema)."""
 
 
@@ -156,9 +156,15 @@ class DiskBackend:
                 conn = sqlite3.connect(
                     self._db, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
                 )
-                conn.execute("PRAGMA synchronous=NORMAL")
-            except sqlite3.Error as exc:
+                try:
+                    conn.execute("PRAGMA synchronous=NORMAL")
+                except sqlite3.Error:
+                    conn.close()
+                    raise
+            except sqlite3.OperationalError as exc:
                 raise StoreError(f"cannot open store index {self._db}: {exc}") from exc
+            except sqlite3.DatabaseError as exc:  # "file is not a database": rebuilt at the next open
+                raise _BrokenIndex(f"store index {self._db} is unusable: {exc}") from exc
             self._local.conn = conn
             with self._conns_lock:
                 self._conns.append(conn)
@@ -249,7 +255,7 @@ class DiskBackend:
             if "locked" in str(exc):
                 return None
             return f"corrupt: {exc}"
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, _BrokenIndex) as exc:
             return f"corrupt: {exc}"
         return None
 

@@ -250,8 +250,9 @@ def build_index(root: Path, reason: str, max_entry_bytes: int) -> RebuildReport:
     for problem in report.problems[:8]:
         log.warning("store: index rebuild quarantined a file: %s", problem)
     log.warning(
-        "store: rebuilt the index of %s (%s): %d entries, %d quarantined, old index kept at %s",
-        root, reason, report.entries, report.quarantined, report.aside,
+        "store: rebuilt the index of %s (%s): %d entries, %d quarantined%s",
+        root, reason, report.entries, report.quarantined,
+        f", old index kept at {report.aside}" if report.aside else "",
     )  # fmt: skip
     return report
 

@@ -31,10 +31,12 @@ BACKENDS: dict[str, BackendFactory] = {}
 def register_backend(*schemes: str):  # type: ignore[no-untyped-def]
     """Decorator: make a factory the backend of ``scheme://...`` specs (and of paths, for ``file``)."""
 
+    for scheme in schemes:
+        if not scheme or not scheme.isascii() or "://" in scheme or scheme != scheme.lower():
+            raise ValueError(f"a backend scheme is a lowercase name like 'redis', got {scheme!r}")
+
     def wrap(factory: BackendFactory) -> BackendFactory:
         for scheme in schemes:
-            if not scheme or not scheme.isascii() or "://" in scheme or scheme != scheme.lower():
-                raise ValueError(f"a backend scheme is a lowercase name like 'redis', got {scheme!r}")
             BACKENDS[scheme] = factory
         return factory
 
