@@ -217,17 +217,20 @@ class DiskBackend:
         if reason is None:
             try:
                 self._init_schema()
-                if len(self) == 0 and next(_rebuild.entry_files(self._objects), None) is not None:
+                if self._empty_over_files():
                     reason = "empty index over entry files"
             except _BrokenIndex as exc:
                 reason = f"corrupt: {exc}"
         if reason is None:
             return
-        self._rebuild(reason, only_if_broken=reason != "empty index over entry files")
+        self._rebuild(reason, only_if_broken=True)
         try:
             self._init_schema()
         except _BrokenIndex as exc:
             raise StoreError(f"store index {self._db} is still unusable after a rebuild: {exc}") from exc
+
+    def _empty_over_files(self) -> bool:
+        return len(self) == 0 and next(_rebuild.entry_files(self._objects), None) is not None
 
     def _check_index(self, conn: sqlite3.Connection) -> None:
         columns = tuple(row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall())
@@ -267,10 +270,10 @@ class DiskBackend:
             if only_if_broken and self._db.exists():
                 try:
                     self._init_schema()
+                    if not self._empty_over_files():
+                        return None
                 except _BrokenIndex:
                     pass
-                else:
-                    return None
                 self._close_conns()
             report = _rebuild.build_index(self.root, reason.split(":")[0], self.max_entry_bytes)
             report.reason = reason
