@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from .console import err, out, write_json
+from .store_cli import add_store_command
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     serve.set_defaults(func=cmd_serve)
+    add_store_command(sub)
     return p
 
 

@@ -1,4 +1,6 @@
-"""``kamera bench store``: loading a stored 1024-token canonical (disk, Redis) vs recomputing it.
+"""``kamera bench store``: loading a stored 1024-token canonical (disk, Redis) vs recomputing it, and
+what each storage dtype costs: bytes per token on disk and the KL of next-token log-probs of a window
+served from that store against the same window served from a store of the engine's own dtype.
 
 Redis is measured against a real ``redis-server`` started on loopback for the run (skipped, and said so
 in the result, when the binary is not installed).
@@ -22,8 +24,10 @@ from ..chunks import Chunk, content_id
 from ..console import err
 from ..persistence import Persistence
 from ..stats import WindowStats
-from ..store import ChunkStore, DiskBackend, RedisBackend
-from .metrics import timed
+from ..store import STORAGE_DTYPES, ChunkStore, DiskBackend, RedisBackend, open_store
+from ..window import ContextWindow
+from .corpus import load_corpus
+from .metrics import kl, timed
 from .operator import _text_tokens
 
 
@@ -99,4 +103,60 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     cond = engine.forward(ids, past, len(past), logits="none").kv
     patch = engine.form_patch(cond, chunk.canonical, 32)
     result["patch_rank32_bytes_per_token"] = patch.nbytes / n
+    result["storage_dtypes"] = storage_dtypes(engine, quick=quick)
     return result
+
+
+def _served(engine: Engine, root: Path, pages: list[str], questions: list[str]) -> tuple[list[Any], dict[str, Any]]:
+    """Next-token log-probs of each question over ``pages``, from a fresh window on the store at ``root``
+    (its canonicals and patches loaded from disk), and that store's ``info``."""
+    with open_store(root) as store:
+        win = ContextWindow(engine, store=store)
+        for text in pages:
+            win.add_text(text)
+        lps = [win.next_token_logprobs(q) for q in questions]
+        hits = store.stats().backend_hits
+        win.close()
+    backend = DiskBackend(root)
+    info = backend.info()
+    backend.close()
+    info["backend_hits"] = hits
+    return lps, info
+
+
+def storage_dtypes(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+    """For the engine's dtype and each compact ``storage_dtype``: a window's pages are added and asked
+    about through a store written in that dtype, then served again by a fresh window from that store;
+    KL of its next-token log-probs against the same window served from the engine-dtype store (mean and
+    max over the questions), and disk bytes per token (canonicals alone, and all entries)."""
+    corpus = load_corpus()
+    demo = corpus.demo
+    pages = [corpus.page(pid).text for pid in demo.pages[: 3 if quick else 6]]
+    questions = [q.question for q in demo.questions[: 2 if quick else 6]]
+    own = str(engine.dtype).removeprefix("torch.")
+    out: dict[str, Any] = {"pages": len(pages), "questions": len(questions), "engine_dtype": own}
+    ref: list[Any] | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [own, *(d for d in STORAGE_DTYPES if d != own)]:
+            root = Path(tmp) / name
+            with open_store(root, storage_dtype=None if name == own else name) as store:  # the writer
+                win = ContextWindow(engine, store=store)
+                for text in pages:
+                    win.add_text(text)
+                for q in questions:
+                    win.next_token_logprobs(q)
+                win.close()
+            lps, info = _served(engine, root, pages, questions)
+            tokens = info["canonical_tokens"]
+            kls = [0.0] * len(lps) if ref is None else [kl(r, lp) for r, lp in zip(ref, lps, strict=True)]
+            ref = lps if ref is None else ref
+            out[name] = {
+                "kl_vs_engine_dtype_mean": sum(kls) / len(kls),
+                "kl_vs_engine_dtype_max": max(kls),
+                "canonical_bytes_per_token": info["canonical_bytes_per_token"],
+                "all_bytes_per_token": info["bytes"] / tokens if tokens else None,
+                "entries": info["entries"],
+                "backend_hits": info["backend_hits"],
+            }
+            err.print(f"  storage {name}: {out[name]['all_bytes_per_token']:.0f} B/token, KL {max(kls):.2e}")
+    return out

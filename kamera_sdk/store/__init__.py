@@ -3,7 +3,8 @@
 Tiers: a byte-budgeted host-RAM tier (LRU or LFU, pins) in front of an optional persistent backend, a
 directory of safetensors files with an SQLite index (``DiskBackend``) or a shared Redis
 (``RedisBackend``). Writes are atomic and checksummed; reads verify checksum and model fingerprint, and a
-refused entry is a counted miss. See docs/storage.md.
+refused entry is a counted miss. A disk store rebuilds a lost or corrupt index from its entry files;
+``storage_dtype="bfloat16"`` halves the bytes of a float32 model's entries. See docs/storage.md.
 
     from kamera_sdk.store import open_store, EntryKey, StoreEntry
     store = open_store("/var/lib/kamera")          # or None, or "redis://host:6379/0"
@@ -14,29 +15,36 @@ refused entry is a counted miss. See docs/storage.md.
 from ._backend import Backend
 from ._chunk_store import DEFAULT_MEMORY_BYTES, ChunkStore, StoreStats
 from ._disk import DiskBackend
-from ._entry import EntryKey, EntryKind, StoreEntry
+from ._entry import STORAGE_DTYPES, EntryKey, EntryKind, StoreEntry
 from ._eviction import EVICTION_POLICIES, LFU, LRU, EvictionPolicy, register_eviction
 from ._memory import MemoryTier
 from ._open import StoreSpec, default_store_path, open_store
+from ._rebuild import RebuildReport
 from ._redis import RedisBackend
+from ._registry import BACKENDS, BackendFactory, register_backend
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_MEMORY_BYTES",
     "EVICTION_POLICIES",
     "LFU",
     "LRU",
+    "STORAGE_DTYPES",
     "Backend",
+    "BackendFactory",
     "ChunkStore",
     "DiskBackend",
     "EntryKey",
     "EntryKind",
     "EvictionPolicy",
     "MemoryTier",
+    "RebuildReport",
     "RedisBackend",
     "StoreEntry",
     "StoreSpec",
     "StoreStats",
     "default_store_path",
     "open_store",
+    "register_backend",
     "register_eviction",
 ]

@@ -20,6 +20,8 @@ class Backend(Protocol):
     name: ClassVar[str]
     #: entries this backend evicted to respect its byte budget
     evictions: int
+    #: times this backend rebuilt its index from the entries themselves (a lost or corrupt index)
+    index_rebuilds: int
 
     def get(self, key: EntryKey) -> StoreEntry | None: ...
 

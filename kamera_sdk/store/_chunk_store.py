@@ -16,12 +16,14 @@ import time
 from collections.abc import Iterable
 from types import TracebackType
 
+import torch
 from pydantic import BaseModel, Field
 
 from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError
 
 from ._backend import Backend
 from ._entry import EntryKey, EntryKind, StoreEntry
+from ._entry import storage_dtype as _storage_dtype
 from ._eviction import EvictionPolicy
 from ._memory import MemoryTier
 
@@ -47,6 +49,7 @@ class StoreStats(BaseModel):
     load_errors: int = Field(0, description="loads that failed otherwise (I/O, connection, malformed)")
     evictions: int = Field(0, description="entries evicted from the memory tier")
     backend_evictions: int = Field(0, description="entries the backend evicted for its byte budget")
+    index_rebuilds: int = Field(0, description="times the backend rebuilt a lost or corrupt index from its entries")
     memory_entries: int = 0
     memory_bytes: int = Field(0, description="tensor bytes resident in the memory tier")
     pinned_bytes: int = 0
@@ -58,6 +61,10 @@ class ChunkStore:
 
     ``backend``: None (this process only), a DiskBackend or a RedisBackend (see ``open_store``).
     ``write_behind``: backend writes happen on a thread pool (``flush`` waits); False writes inline.
+    ``storage_dtype``: None keeps every tensor's dtype (bit-exact); ``"bfloat16"`` or ``"float16"`` writes
+    wider floating tensors to the backend in that dtype (half the bytes of float32; loads cast them back
+    to their own dtype, so the engine sees its dtype, rounded). The RAM tier keeps tensors as given, and
+    an entry put with its own ``storage_dtype`` keeps it. See docs/storage.md for its measured KL.
     Thread-safe; use as a context manager or call ``close``.
     """
 
@@ -70,6 +77,7 @@ class ChunkStore:
         *,
         load_workers: int = 4,
         write_workers: int = 2,
+        storage_dtype: str | torch.dtype | None = None,
     ) -> None:
         if backend is not None and not isinstance(backend, Backend):
             raise InvalidInputError(
@@ -78,6 +86,7 @@ class ChunkStore:
         for label, n in (("load_workers", load_workers), ("write_workers", write_workers)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise InvalidInputError(f"{label} must be an int >= 1, got {n!r}")
+        self.storage_dtype = _storage_dtype(storage_dtype)
         self.memory = MemoryTier(memory_bytes, eviction)
         self.backend = backend
         self.write_behind = bool(write_behind)
@@ -90,7 +99,8 @@ class ChunkStore:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"ChunkStore(memory_bytes={self.memory.max_bytes}, backend={self.backend!r})"
+        dtype = "" if self.storage_dtype is None else f", storage_dtype={str(self.storage_dtype)[6:]!r}"
+        return f"ChunkStore(memory_bytes={self.memory.max_bytes}, backend={self.backend!r}{dtype})"
 
     # -- reads ---------------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> StoreEntry | None:
@@ -212,6 +222,8 @@ class ChunkStore:
         if not isinstance(entry, StoreEntry):
             raise InvalidInputError(f"put expects a StoreEntry, got {type(entry).__name__}")
         key = entry.key
+        if entry.storage_dtype is None and self.storage_dtype is not None:
+            entry.storage_dtype = self.storage_dtype  # only the serialized form changes
         with self._lock:
             known = key in self.memory or key in self._pending
             before = self.memory.evictions
@@ -295,6 +307,7 @@ class ChunkStore:
         snap.memory_bytes = self.memory.nbytes
         snap.pinned_bytes = self.memory.pinned_bytes
         snap.backend_evictions = self.backend.evictions if self.backend is not None else 0
+        snap.index_rebuilds = self.backend.index_rebuilds if self.backend is not None else 0
         snap.backend_bytes = backend_bytes
         return snap
 

@@ -1,17 +1,22 @@
-"""``open_store``: one argument (None, a path, a redis URL, or a store) to a ``ChunkStore``."""
+"""``open_store``: one argument (None, a path, a backend URL, or a store) to a ``ChunkStore``.
+
+Spec strings resolve through the backend registry (``_registry``), keyed by URL scheme.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import torch
+
 from kamera_engine.errors import InvalidInputError
 
+from . import _disk, _redis  # noqa: F401  (their backends register their schemes)
 from ._backend import Backend
 from ._chunk_store import DEFAULT_MEMORY_BYTES, ChunkStore
-from ._disk import DiskBackend
 from ._eviction import EvictionPolicy
-from ._redis import URL_SCHEMES, RedisBackend
+from ._registry import backend_for
 
 StoreSpec = ChunkStore | Backend | str | os.PathLike[str] | None
 
@@ -30,30 +35,35 @@ def open_store(
     write_behind: bool = True,
     max_bytes: int | None = None,
     ttl_s: float | None = None,
+    storage_dtype: str | torch.dtype | None = None,
 ) -> ChunkStore:
     """A ChunkStore for ``spec``.
 
     ``None``: memory only (this process). A path (str or Path): a DiskBackend there (``max_bytes`` bounds
     it). ``"redis://host:port/db"`` (or ``rediss://``, ``unix://``): a RedisBackend (``ttl_s``,
-    ``max_bytes`` per model). A backend object: wrapped. A ChunkStore: returned unchanged.
+    ``max_bytes`` per model); any other scheme registered with ``register_backend``. A backend object:
+    wrapped. A ChunkStore: returned unchanged. ``storage_dtype`` ("bfloat16", "float16" or None): the
+    dtype floating tensors are written to the backend in (see ``ChunkStore``).
     """
     if isinstance(spec, ChunkStore):
         return spec
     backend: Backend | None
     if spec is None:
         backend = None
-    elif isinstance(spec, str) and spec.startswith(URL_SCHEMES):
-        backend = RedisBackend(spec, ttl_s=ttl_s, max_bytes=max_bytes)
-    elif isinstance(spec, str) and "://" in spec:
-        raise InvalidInputError(f"store URL scheme not supported: {spec!r} (use a path or {', '.join(URL_SCHEMES)})")
-    elif isinstance(spec, (str, os.PathLike)):
-        if ttl_s is not None:
-            raise InvalidInputError("ttl_s applies to a redis store only")
-        backend = DiskBackend(spec, max_bytes=max_bytes)
+    elif isinstance(spec, os.PathLike):
+        backend = backend_for(os.fspath(spec), max_bytes=max_bytes, ttl_s=ttl_s)
+    elif isinstance(spec, str):
+        backend = backend_for(spec, max_bytes=max_bytes, ttl_s=ttl_s)
     elif isinstance(spec, Backend):
         backend = spec
     else:
         raise InvalidInputError(
-            f"store must be None, a path, a redis:// URL or a ChunkStore, got {type(spec).__name__}"
+            f"store must be None, a path, a backend URL (redis://...) or a ChunkStore, got {type(spec).__name__}"
         )
-    return ChunkStore(memory_bytes=memory_bytes, backend=backend, eviction=eviction, write_behind=write_behind)
+    return ChunkStore(
+        memory_bytes=memory_bytes,
+        backend=backend,
+        eviction=eviction,
+        write_behind=write_behind,
+        storage_dtype=storage_dtype,
+    )

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from kamera_engine.errors import ChecksumError, InvalidInputError, StoreError
 
 from ._entry import EntryKey, EntryKind, StoreEntry, decode, header_summary, read_header
+from ._registry import register_backend
 
 log = logging.getLogger("kamera.store")
 
@@ -201,6 +202,7 @@ class RedisBackend:
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_entry_bytes
         self.evictions = 0
+        self.index_rebuilds = 0  # every key is its own record: there is no separate index to lose
         self._ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
         try:
             self.client: Any = redis.Redis.from_url(
@@ -364,3 +366,9 @@ class RedisBackend:
             self.client.close()
         except self._redis_error as exc:  # type: ignore[misc]
             log.debug("store: closing redis client: %s", exc)
+
+
+@register_backend(*(scheme.removesuffix("://") for scheme in URL_SCHEMES))
+def _open_redis(spec: str, *, max_bytes: int | None, ttl_s: float | None) -> RedisBackend:
+    """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL: a RedisBackend (``max_bytes`` per model)."""
+    return RedisBackend(spec, ttl_s=ttl_s, max_bytes=max_bytes)

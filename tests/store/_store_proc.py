@@ -4,6 +4,10 @@ python _store_proc.py writer <dir> <start> <count> <elems>   put entries start..
 python _store_proc.py crash  <dir> <point> <elems>           put entry 0, SIGKILL itself inside put(1)
 python _store_proc.py mixer  <dir> <name> <ids> <others> <go-file> <elems>
                                                              put own ids, read the other's, print JSON
+python _store_proc.py rebuild <dir> <point>                  open a store whose index is broken; the
+                                                             rebuild prints each file it verifies and
+                                                             dwells ("scan") or SIGKILLs itself before
+                                                             installing the new index ("install")
 """
 
 from __future__ import annotations
@@ -121,12 +125,40 @@ def _mixer(root: str, name: str, ids: list[int], others: list[int], go: str, ele
     print(json.dumps({"name": name, "seen": sorted(seen), "reads": reads}), flush=True)
 
 
+def _rebuild(root: str, point: str) -> None:
+    import os
+    import signal
+
+    from kamera_sdk.store import _rebuild
+
+    verify = _rebuild.verify_file
+
+    def slow_verify(path: Path):  # type: ignore[no-untyped-def]
+        print(path.name[:12], flush=True)  # the parent kills us once a few files are through
+        time.sleep(0.2)
+        return verify(path)
+
+    def die(*_args: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "scan":
+        _rebuild.verify_file = slow_verify  # type: ignore[assignment]
+    elif point == "install":
+        _rebuild.install_index = die  # type: ignore[assignment]
+    else:
+        raise SystemExit(f"unknown rebuild point {point}")
+    DiskBackend(root)
+    print("survived", flush=True)
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "writer":
         _writer(rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
     elif mode == "crash":
         _crash(rest[0], rest[1], int(rest[2]))
+    elif mode == "rebuild":
+        _rebuild(rest[0], rest[1])
     elif mode == "mixer":
         _mixer(rest[0], rest[1], json.loads(rest[2]), json.loads(rest[3]), rest[4], int(rest[5]))
     else:

@@ -166,7 +166,8 @@ def test_temps_of_dead_writers_and_orphans_are_swept(tmp_path: Path, proc: Modul
     live.write_bytes(b"in progress")
     DiskBackend(tmp_path)  # reopening sweeps
     assert not dead.exists() and live.exists()
-    # an orphan (killed between rename and index insert) is never served and is reclaimed by repair
+    # an orphan (killed between rename and index insert) is never served, and repair indexes it again:
+    # the file is complete (renamed only after fsync) and carries its own index row
     orphan = proc.make_entry(2)
     orphan_path = backend.path_for(orphan.key)
     orphan_path.parent.mkdir(exist_ok=True)
@@ -174,8 +175,20 @@ def test_temps_of_dead_writers_and_orphans_are_swept(tmp_path: Path, proc: Modul
     assert backend.get(orphan.key) is None
     backend.path_for(e.key).unlink()  # a row whose file vanished
     report = backend.repair(orphan_grace_s=0.0)
-    assert report == {"temps": 0, "rows_dropped": 1, "orphan_files": 1}
-    assert len(backend) == 0 and not orphan_path.exists() and live.exists()
+    assert report == {"temps": 0, "rows_dropped": 1, "orphan_files": 0, "orphans_indexed": 1, "index_rebuilt": 0}
+    assert len(backend) == 1 and orphan_path.exists() and live.exists()
+    got = backend.get(orphan.key)
+    assert got is not None and proc.same(got, orphan)
+    # a file with no row that does not verify is quarantined, not indexed
+    bad = proc.make_entry(3)
+    bad_path = backend.path_for(bad.key)
+    bad_path.parent.mkdir(exist_ok=True)
+    blob = bytearray(bad.encode())
+    blob[-1] ^= 0xFF
+    bad_path.write_bytes(bytes(blob))
+    report = backend.repair(orphan_grace_s=0.0)
+    assert (report["orphan_files"], report["orphans_indexed"]) == (1, 0)
+    assert not bad_path.exists() and len(list((tmp_path / "quarantine").iterdir())) == 1
 
 
 def test_disk_budget_evicts_least_recently_used(tmp_path: Path, proc: ModuleType) -> None:
