@@ -66,6 +66,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from kamera_engine.attention import flash_attn_available, resolve_attention
     from kamera_engine.engine import resolve_device
+    from kamera_engine.kernels.dispatch import status as gpu_kernel_status
 
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
@@ -74,6 +75,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__,
         "cuda_available": torch.cuda.is_available(),
         "flash_attn_installed": flash_attn_available(),
+        "gpu_kernels": gpu_kernel_status(),
         "threads": torch.get_num_threads(),
     }
     try:
