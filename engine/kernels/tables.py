@@ -19,9 +19,7 @@ def plain(spec: RopeSpec) -> RopeSpec:
     return RopeSpec(spec.inv_freq, spec.rotary_dim, spec.head_dim, spec.rope_type, spec.style)
 
 
-def position_table(
-    spec: RopeSpec, lo: int, hi: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def position_table(spec: RopeSpec, lo: int, hi: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin for positions ``lo .. hi - 1``: two (hi - lo, rotary_dim // 2) tensors on ``device``."""
     positions = torch.arange(lo, hi, dtype=torch.long)
     cos, sin = rotation_table(plain(spec), positions, None, dtype=torch.float32, device=device)
