@@ -22,6 +22,7 @@ import torch
 
 from . import fused_apply as fused
 from .errors import InvalidInputError
+from .kernels import dispatch as gpu_kernels
 from .kv import KV
 from .rope import RopeSpec, apply_rotation_, rotate_keys, rotation_table
 
@@ -259,8 +260,9 @@ def apply_patch(
     ``exact=False`` rotates in the KV dtype (serving path); ``True`` rotates in float64 (reference).
     ``out``: optional preallocated placed KV (same shapes) to write into, e.g. a slot of the window.
 
-    The serving path runs the fused CPU kernel (``fused_apply``: one pass per row) when it can, else
-    torch layer by layer, so each layer's GEMM output is rotated while it is still in cache.
+    The serving path runs the fused CPU kernel (``fused_apply``: one pass per row) when it can, on CUDA
+    the Triton kernel (``kernels.place``, chosen by ``kernels.dispatch``), else torch layer by layer, so
+    each layer's GEMM output is rotated while it is still in cache.
     """
     if not canonical.is_free:
         raise InvalidInputError("apply_patch wants a position-free canonical")
@@ -280,6 +282,9 @@ def apply_patch(
         return KV(keys, free.values.clone() if patch is None else free.values, tgt, canonical.deltas)
     keys = out.keys if out is not None else torch.empty_like(canonical.keys)
     values = out.values if out is not None else torch.empty_like(canonical.values)
+    if gpu_kernels.serves(canonical.keys, canonical.values, keys, values):
+        _apply_on_gpu(canonical, patch, spec, tgt, keys, values)
+        return KV(keys, values, tgt, canonical.deltas)
     cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
     if fused.usable(canonical.keys, canonical.values, keys, values):
         _fused(canonical, patch, keys, values, (spec, cos, sin))
@@ -314,3 +319,13 @@ def apply_patch(
             keys[layer].copy_(k_src)
             apply_rotation_(keys[layer], cos, sin, spec)
     return KV(keys, values, tgt, canonical.deltas)
+
+
+# --- CUDA: the Triton kernels (engine/kernels), chosen by kernels.dispatch; torch's path above is the fallback
+def _apply_on_gpu(
+    canonical: KV, patch: Patch | None, spec: RopeSpec, target: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """One fused Triton pass per tensor: ``keys, values = R(target) · (canonical + U V^T)``."""
+    from .kernels.place import place_chunk  # imports triton: only ever reached on CUDA
+
+    place_chunk(canonical, patch, spec, target, KV(keys, values), slot=0)

@@ -51,9 +51,22 @@ def _engine(args: argparse.Namespace):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import get_bench
+    from .bench import get_bench, preflight
 
+    if args.shape is not None:  # a random-weight model of a known architecture: operator speed only
+        from kamera_engine import InvalidInputError
+        from kamera_engine.shapes import random_engine
+
+        from .bench.operator import run_shape
+
+        if args.name != "operator":
+            raise InvalidInputError(f"--shape goes with the operator benchmark, not {args.name!r}")
+        with err.status(f"building a random-weight {args.shape}"):
+            engine = random_engine(args.shape, args.layers, device=args.device, dtype=args.dtype)
+        print_result(run_shape(engine, args.shape, quick=args.quick), args.json, f"kamera bench operator {args.shape}")
+        return 0
     run = get_bench(args.name)
+    preflight(args.name)
     result = run(_engine(args), quick=args.quick)
     print_result(result, args.json, f"kamera bench {args.name}")
     return 0
@@ -67,6 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from kamera_engine import resolve_device
     from kamera_engine.attention import flash_attn_available, resolve_attention
+    from kamera_engine.kernels.dispatch import status as gpu_kernel_status
 
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
@@ -75,6 +89,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__,
         "cuda_available": torch.cuda.is_available(),
         "flash_attn_installed": flash_attn_available(),
+        "gpu_kernels": gpu_kernel_status(),
         "threads": torch.get_num_threads(),
     }
     try:
@@ -130,8 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "name",
         help="operator (relocation error, eta vs rank, speed), window (agent trace per policy), "
-        "compare (reuse and compression policies side by side), store (load vs recompute per tier)",
+        "compare (reuse and compression policies side by side), store (load vs recompute per tier), "
+        "gpu (the GPU suite on CUDA, kept as docs/results/gpu-<device>.json)",
     )
+    bench.add_argument("--shape", default=None, help="operator only: a random-weight model of this architecture")
+    bench.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(
         "doctor", parents=[common, as_json], help="versions, device, attention backend, default model"

@@ -12,6 +12,7 @@ BENCHES: dict[str, str] = {
     "window": "kamera_sdk.bench.window",
     "compare": "kamera_sdk.bench.compare",
     "store": "kamera_sdk.bench.store",
+    "gpu": "kamera_sdk.bench.gpu",
 }
 
 
@@ -21,3 +22,11 @@ def get_bench(name: str) -> Callable[..., dict[str, Any]]:
     if name not in BENCHES:
         raise InvalidInputError(f"unknown benchmark {name!r}; choose one of {sorted(BENCHES)}")
     return importlib.import_module(BENCHES[name]).run
+
+
+def preflight(name: str) -> None:
+    """The bench's own check before a model is loaded (``preflight()`` in its module, when it has one)."""
+    module = importlib.import_module(BENCHES[name]) if name in BENCHES else None
+    check = getattr(module, "preflight", None)
+    if check is not None:
+        check()

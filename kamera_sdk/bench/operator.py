@@ -9,19 +9,21 @@ at 256 / 1024 / 2048 tokens, bytes of patches, and how close apply runs to memcp
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from kamera_engine import KV, Engine, apply_patch, fused_apply
+from kamera_engine import KV, Engine, Patch, apply_patch, fused_apply
 from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
 from kamera_engine.selective import reprefill_from_layer
 
 from ..console import err, track
 from .corpus import Probe, load_corpus
-from .metrics import eta, kl, mean, timed
+from .metrics import eta, kl, mean, timed, timed_result
 
+T = TypeVar("T")
 RANKS = (8, 16, 32, 64)
 #: Partial re-prefill: fractions of the layers kept from the canonicals (the shallowest ones).
 SHALLOW_FRACTIONS = (0.0, 0.1, 0.25, 0.5)
@@ -306,4 +308,118 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
     result["reuse_s"] = by_len["1024"]["reuse_s"]
     result["speedup"] = by_len["1024"]["speedup"]
     result.update(bandwidth(engine))
+    return result
+
+
+#: chunk lengths of the shape sweep (DESIGN.md §3: ``speedup_by_tokens``)
+SHAPE_TOKENS = (512, 1024, 2048, 4096)
+
+
+def shape_speed(engine: Engine, tokens: tuple[int, ...] = SHAPE_TOKENS, context: int = 512, rank: int = 32):
+    """Reuse (relocate + rank-``rank`` patch) vs re-prefill of a chunk of each length behind ``context``
+    tokens, on a random-weight engine fed random token ids (timing only: the factors are random too,
+    apply's cost depends on their shape alone)."""
+    e = engine
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, e.vocab_size, (context + max(tokens),), generator=g).tolist()
+    ctx = e.forward(ids[:context], None, 0, logits="none").kv
+    out: dict[str, Any] = {}
+    for n in track(tokens, "shape speed"):
+        chunk = ids[context : context + n]
+        # one run: a prefill of thousands of tokens is seconds, far above timer and warm-up noise
+        reprefill, res = timed_result(_synced(lambda chunk=chunk: e.forward(chunk, ctx, context, logits="none")), 1, 0)
+        can = KV(res.kv.keys.clone(), res.kv.values.clone(), None)
+        patch = _random_patch(can, rank, g)
+        buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+        reuse = timed(
+            _synced(lambda can=can, patch=patch, buf=buf: apply_patch(can, patch, e.rope, context, out=buf)), 5
+        )
+        out[str(n)] = {"reprefill_s": reprefill, "reuse_s": reuse, "speedup": reprefill / reuse}
+    return out
+
+
+def _synced(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` followed by a CUDA synchronisation (kernels run asynchronously: time their completion)."""
+
+    def run() -> T:
+        result = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return result
+
+    return run
+
+
+def _random_patch(can: KV, rank: int, g: torch.Generator) -> Patch:
+    layers, n = can.keys.shape[:2]
+    fk, fv = can.keys[0, 0].numel(), can.values[0, 0].numel()
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(can.keys.device, can.keys.dtype)
+
+    return Patch(
+        draw(layers, n, rank),
+        draw(layers, rank, fk),
+        draw(layers, n, rank),
+        draw(layers, rank, fv),
+        tuple(range(layers)),
+    )
+
+
+def shape_bandwidth(engine: Engine, n: int = 1024, rank: int = 32) -> dict[str, Any]:
+    """Apply (rank-``rank`` patch + rotation) and relocation bandwidth vs a copy of the same KV, and the
+    patch's bytes, at this shape."""
+    e = engine
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, e.vocab_size, (n,), generator=g).tolist()
+    can = e.forward(ids, None, 0, logits="none").kv
+    can = KV(can.keys, can.values, None)
+    patch = _random_patch(can, rank, g)
+    buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+    kv_bytes = can.nbytes
+    t_copy = timed(_synced(lambda: (buf.keys.copy_(can.keys), buf.values.copy_(can.values))), repeat=10)
+    t_rel = timed(_synced(lambda: apply_patch(can, None, e.rope, 5000, out=buf)), repeat=10)
+    t_app = timed(_synced(lambda: apply_patch(can, patch, e.rope, 5000, out=buf)), repeat=10)
+    return {
+        "memcpy_gbps": 2 * kv_bytes / t_copy / 1e9,
+        "relocate_gbps": 2 * kv_bytes / t_rel / 1e9,
+        "apply_gbps": (2 * kv_bytes + patch.nbytes) / t_app / 1e9,
+        "apply_vs_memcpy": t_copy / t_app,
+        "patch_rank": rank,
+        "patch_bytes": patch.nbytes,
+        "patch_bytes_fraction": patch.nbytes / kv_bytes,
+        "kv_bytes_per_token": kv_bytes / n,
+        "apply_kernel": _kernel_name(can.keys),
+    }
+
+
+def _kernel_name(t: torch.Tensor) -> str:
+    from kamera_engine.kernels import dispatch
+
+    if dispatch.serves(t):
+        return f"triton {dispatch.triton_version()}"
+    return fused_apply.status() if fused_apply.usable(t) or t.device.type == "cpu" else "torch"
+
+
+def run_shape(engine: Engine, shape: str, *, quick: bool = False) -> dict[str, Any]:
+    """``kamera bench operator --shape NAME``: speed only (random weights carry no fidelity)."""
+    tokens = (512, 2048) if quick else SHAPE_TOKENS
+    err.print(f"[bold]operator[/] speed on {engine.name}: chunks of {', '.join(map(str, tokens))} tokens")
+    cfg = engine.model.config
+    by = shape_speed(engine, tokens)
+    result: dict[str, Any] = {
+        "model": engine.name,
+        "shape": shape,
+        "layers": engine.num_layers,
+        "hidden_size": int(cfg.hidden_size),
+        "kv_heads": engine.num_kv_heads,
+        "head_dim": engine.key_dim,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "context_tokens": 512,
+        "reuse": "relocate + rank-32 patch",
+        "speedup_by_tokens": {k: v["speedup"] for k, v in by.items()},
+        "speed_by_tokens": by,
+    }
+    result.update(shape_bandwidth(engine))
     return result

@@ -1,5 +1,6 @@
 """Plots for the docs, drawn from benchmark JSON (``python -m kamera_sdk.bench.plots RESULT.json docs/img``;
-operator, window and compare results are told apart by their keys).
+operator, window and compare results are told apart by their keys; several ``--shape`` results draw one
+speedup-vs-shape figure).
 
 matplotlib is an optional extra (``kamera[plots]``); it is imported lazily.
 """
@@ -200,13 +201,54 @@ def compare_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def shape_plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Reuse speedup over re-prefill vs chunk length per shape, and vs model width at 2048 tokens
+    (``kamera bench operator --shape NAME`` results; per layer when the shapes are truncated alike)."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(results, key=lambda r: r["hidden_size"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for r in ordered:
+        tokens = sorted(int(t) for t in r["speedup_by_tokens"])
+        left.plot(
+            tokens, [r["speedup_by_tokens"][str(t)] for t in tokens], "o-", label=f"{r['shape']} ({r['layers']}L)"
+        )
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("chunk tokens (after 512 tokens of context)")
+    left.set_ylabel("re-prefill time / reuse time")
+    left.legend(fontsize=8)
+    at = [r for r in ordered if "2048" in r["speedup_by_tokens"]]
+    right.plot([r["hidden_size"] for r in at], [r["speedup_by_tokens"]["2048"] for r in at], "s-")
+    for r in at:
+        right.annotate(r["shape"], (r["hidden_size"], r["speedup_by_tokens"]["2048"]), fontsize=7)
+    right.set_xlabel("hidden size")
+    right.set_ylabel("speedup at 2048 tokens")
+    right.set_yscale("log")
+    devices = sorted({f"{r['device']} {r['dtype']}" for r in ordered})
+    fig.suptitle(f"reuse (relocate + rank-32 patch) vs re-prefill, random weights, {', '.join(devices)}", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "speedup_vs_shape.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 2:
-        print("usage: python -m kamera_sdk.bench.plots RESULT.json OUT_DIR", file=sys.stderr)
+    if len(args) < 2:
+        print("usage: python -m kamera_sdk.bench.plots RESULT.json [MORE.json ...] OUT_DIR", file=sys.stderr)
         return 2
-    result = json.loads(Path(args[0]).read_text())
-    out = Path(args[1])
+    results = [json.loads(Path(a).read_text()) for a in args[:-1]]
+    out = Path(args[-1])
+    if all("speedup_by_tokens" in r for r in results):
+        for p in shape_plot(results, out):
+            print(p)
+        return 0
+    if len(results) != 1:
+        print("several results are plotted together only for shape sweeps", file=sys.stderr)
+        return 2
+    result = results[0]
     if "eta" in result:
         paths = operator_plots(result, out)
     elif "matched_bytes" in result:

@@ -1,0 +1,117 @@
+"""``kamera bench gpu``: the GPU suite in one go, kept as ``docs/results/gpu-<device>.json``.
+
+On a CUDA machine (``pip install 'kamera[gpu]'`` brings Triton and flash-attn) this runs, on the first
+CUDA device: the Triton kernels against torch's float64 reference on that device (every rope style,
+bf16, in ulps), the operator benchmark and the window trace on the loaded model, and the operator speed
+sweep on the three realistic shapes at full depth (random weights: timing only). Without CUDA it
+refuses before loading anything: nothing here may pretend a CPU is a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kamera_engine import KV, Engine, InvalidInputError, Patch, RopeSpec, apply_patch
+
+from ..console import err
+from . import operator, window
+
+SHAPES = ("llama-3.1-8b", "qwen2.5-7b", "qwen2.5-vl-7b")
+RESULTS_DIR = Path("docs") / "results"
+
+
+def preflight() -> None:
+    """Refuse clearly on a machine without CUDA (before any model is loaded)."""
+    if not torch.cuda.is_available():
+        raise InvalidInputError(
+            "kamera bench gpu needs a CUDA device and torch built with CUDA (torch.cuda.is_available() is False); "
+            "on a GPU machine: pip install 'kamera[gpu]' and run it there (docs/gpu.md)"
+        )
+
+
+def device_slug(name: str) -> str:
+    """A file-name-safe device name: ``NVIDIA H200`` -> ``nvidia-h200``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"
+
+
+def kernel_check(device: torch.device) -> dict[str, Any]:
+    """Max error of the Triton placement kernel vs torch's float64 path, in bf16 ulps, per rope style."""
+    from kamera_engine.kernels import place
+
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    for name, (heads, dim, rot, style) in {
+        "half": (8, 128, 128, "half"),
+        "interleaved": (8, 128, 128, "interleaved"),
+        "partial": (8, 128, 64, "half"),
+    }.items():
+        keys = torch.randn(4, 512, heads, dim, generator=g)
+        values = torch.randn(4, 512, heads, dim, generator=g)
+        f = heads * dim
+        patch = Patch(
+            torch.randn(4, 512, 32, generator=g),
+            torch.randn(4, 32, f, generator=g) * 0.05,
+            torch.randn(4, 512, 32, generator=g),
+            torch.randn(4, 32, f, generator=g) * 0.05,
+            (0, 1, 2, 3),
+        )
+        spec = RopeSpec(1.0 / (500000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)), rot, dim, style=style)
+        ref = apply_patch(KV(keys.double(), values.double(), None), _double(patch), spec, 4000, exact=True)
+        can = KV(keys.to(device, torch.bfloat16), values.to(device, torch.bfloat16), None)
+        dst = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+        on_device = Patch(*(t.to(device) for t in _factors(patch)), patch.layers)
+        place.place_chunk(can, on_device, spec, torch.arange(4000, 4512), dst)
+        worst = 0.0
+        for got, want in ((dst.keys, ref.keys), (dst.values, ref.values)):
+            want16 = want.to(torch.bfloat16)
+            ulp = torch.exp2(torch.floor(torch.log2(want16.double().abs().clamp_min(1e-30))) - 7)
+            worst = max(worst, ((got.cpu().double() - want16.double()).abs() / ulp).max().item())
+        out[name] = {"max_err_bf16_ulp": worst}
+    return out
+
+
+def _factors(p: Patch) -> tuple[torch.Tensor, ...]:
+    return (p.k_u, p.k_vt, p.v_u, p.v_vt)
+
+
+def _double(p: Patch) -> Patch:
+    return Patch(*(t.double() for t in _factors(p)), p.layers)
+
+
+def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+    preflight()
+    if engine.device.type != "cuda":
+        raise InvalidInputError(f"kamera bench gpu runs on CUDA; the engine is on {engine.device} (drop --device cpu)")
+    from kamera_engine.kernels import dispatch
+    from kamera_engine.shapes import random_engine
+
+    name = torch.cuda.get_device_name(engine.device)
+    started = time.time()
+    result: dict[str, Any] = {
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu_kernels": dispatch.status(engine.device),
+        "kernels": kernel_check(engine.device),
+    }
+    err.print(f"[bold]gpu[/] suite on {name}")
+    result["operator"] = operator.run(engine, quick=quick)
+    result["window"] = window.run(engine, quick=quick)
+    result["shapes"] = {}
+    for shape in SHAPES:
+        big = random_engine(shape, 4 if quick else None, device=engine.device, dtype=engine.dtype)
+        result["shapes"][shape] = operator.run_shape(big, shape, quick=quick)
+        del big
+        torch.cuda.empty_cache()
+    result["wall_s"] = time.time() - started
+    path = RESULTS_DIR / f"gpu-{device_slug(name)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    result["written_to"] = str(path)
+    return result
