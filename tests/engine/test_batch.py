@@ -80,7 +80,8 @@ def test_a_failing_forward_leaves_every_row_as_it_was(tiny: Engine) -> None:
     before = [(k.clone(), v.clone()) for k, v in good.layers()]
     bad_ids = torch.tensor([tiny.vocab_size + 5])  # out of the embedding: the forward raises
     with pytest.raises(IndexError):
-        batched_forward(tiny.model, [Row.at(good, random_ids(2, 3), 5), Row.at(RowCache.from_past(None, 2), bad_ids, 0)])
+        rows = [Row.at(good, random_ids(2, 3), 5), Row.at(RowCache.from_past(None, 2), bad_ids, 0)]
+        batched_forward(tiny.model, rows)
     assert len(good) == 5
     for (k, v), (k0, v0) in zip(good.layers(), before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
