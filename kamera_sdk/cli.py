@@ -124,12 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[common, report],
-        help="run a benchmark: operator, window, compare or store (JSON with --json)",
+        help="run a benchmark: operator, window, compare, store or serve (JSON with --json)",
     )
     bench.add_argument(
         "name",
         help="operator (relocation error, eta vs rank, speed), window (agent trace per policy), "
-        "compare (reuse and compression policies side by side), store (load vs recompute per tier)",
+        "compare (reuse and compression policies side by side), store (load vs recompute per tier), "
+        "serve (concurrent sessions on one server, batched vs one at a time)",
     )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(
