@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
-from kamera_engine.scheduler import Scheduler
+from kamera_engine.scheduler import Request, Scheduler
 
 T = TypeVar("T")
 log = logging.getLogger("kamera.server")
@@ -53,10 +53,12 @@ class ModelWorker:
     async def iterate(self, it: Iterator[T]) -> AsyncIterator[T]:
         """Pull ``it`` item by item; the iterator is closed if the consumer stops early.
 
-        With a scheduler, items are pulled on a stream thread (a pull waits for the scheduler's next
-        step, which the model thread runs); without one, one job per item on the model thread."""
+        A scheduler's stream (a ``Request``, or a ``TextStream`` over one) is pulled on a stream thread (a
+        pull waits for the scheduler's next step, which the model thread runs); anything else is pulled
+        one job per item on the model thread."""
         loop = asyncio.get_running_loop()
-        batched = self.scheduler is not None
+        # only a scheduler's stream waits off the model thread; any other iterator runs model work itself
+        batched = self.scheduler is not None and isinstance(getattr(it, "source", it), Request)
         try:
             while True:
                 if batched:
