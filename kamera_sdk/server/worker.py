@@ -38,7 +38,7 @@ class ModelWorker:
         self._cond = threading.Condition()
         self._closed = False
         # streams wait for their scheduler's tokens here, never on the model thread
-        self._pullers = ThreadPoolExecutor(max_workers=256, thread_name_prefix="kamera-stream")
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="kamera-stream")
         self._thread = threading.Thread(target=self._loop, name="kamera-model", daemon=True)
         self._thread.start()
 
@@ -62,7 +62,7 @@ class ModelWorker:
         try:
             while True:
                 if batched:
-                    item = await loop.run_in_executor(self._pullers, next, it, _END)
+                    item = await loop.run_in_executor(self._pool, next, it, _END)
                 else:
                     item = await self.run(next, it, _END)
                 if item is _END:
@@ -72,7 +72,7 @@ class ModelWorker:
             close = getattr(it, "close", None)
             if close is not None:
                 if batched:
-                    self._pullers.submit(_logged(close))
+                    self._pool.submit(_logged(close))
                 else:
                     self.submit(close)
 
@@ -93,7 +93,7 @@ class ModelWorker:
         for fut, _, _ in dropped:
             fut.cancel()
         self._thread.join()
-        self._pullers.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _enqueue(self, job: Callable[[], Any], key: Hashable | None) -> Future[Any]:
         fut: Future[Any] = Future()
