@@ -12,6 +12,7 @@ from .decode import SamplingParams, TextStream
 from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home
 from .engine import Engine, EngineCounters, EngineInfo
 from .errors import (
+    CapacityError,
     ChecksumError,
     ChunkNotFoundError,
     ConstraintError,
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "INSTALL_HINT",
     "KV",
+    "CapacityError",
     "ChecksumError",
     "ChunkNotFoundError",
     "ConstraintError",

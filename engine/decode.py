@@ -137,6 +137,11 @@ class TextStream(Iterator[str]):
     def __next__(self) -> str:
         return next(self._pieces)
 
+    @property
+    def source(self) -> Iterator[int]:
+        """The token iterator the text comes from (a scheduler's ``Request`` when decoding is batched)."""
+        return self._source
+
     def close(self) -> None:
         """Stop decoding (the token source is closed too)."""
         self._pieces.close()

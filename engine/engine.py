@@ -29,6 +29,7 @@ from .loading import LoadSettings, ModelSource, load_engine
 from .operator import Patch
 from .rope import RopeSpec
 from .runner import ForwardResult, Prefilled, run_forward
+from .scheduler import active_scheduler
 
 _SENTINEL = "\u2063KAMERA\u2063"
 
@@ -378,6 +379,9 @@ class Engine:
         """Token ids decoded after ``prompt_ids`` placed at ``start`` (greedy or sampled per ``params``)."""
         params.validate()
         self.check_length(start + len(prompt_ids), new_tokens=params.max_new_tokens)
+        batching = active_scheduler(self)
+        if batching is not None:  # decoded with every other client's work, in the scheduler's batches
+            return batching[0].submit(past, prompt_ids, start, params, key=batching[1])
         res = self.forward(prompt_ids, past, start, logits="last")
         return self._decode(res.cache, res.logits[-1], start + len(prompt_ids), params)
 
@@ -385,6 +389,9 @@ class Engine:
         """Decode on from a prompt that was already prefilled (see ``ForwardResult.prefilled``)."""
         params.validate()
         self.check_length(prompt.next_position, new_tokens=params.max_new_tokens)
+        batching = active_scheduler(self)
+        if batching is not None:
+            return batching[0].submit_prefilled(prompt, params, key=batching[1])
         return self._decode(prompt.cache(self.model.config), prompt.logits, prompt.next_position, params)
 
     def _decode(self, cache: object, logits: torch.Tensor, position: int, params: SamplingParams) -> Iterator[int]:

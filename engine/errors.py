@@ -17,6 +17,7 @@ The tree (every class of this module; a test checks it against the classes)::
     ├── ChunkNotFoundError             a chunk id the window or store does not know (also a KeyError)
     ├── WindowOperationError           an operation that is invalid for the window's current state
     ├── KernelBuildError               the fused CPU kernel could not be built (KAMERA_KERNEL=c) or failed to run
+    ├── CapacityError                  the scheduler's KV memory budget or queue is full (``retry_after_s``: a hint)
     ├── ConstraintError                constrained decoding left its grammar (a parser limit was hit)
     └── StoreError                     a stored entry that cannot be used
         ├── FingerprintMismatchError   an entry written by another model
@@ -138,3 +139,17 @@ class KernelBuildError(KameraError):
 
 
 __all__ += ["KernelBuildError"]
+
+
+class CapacityError(KameraError):
+    """The engine's scheduler cannot take the work now: its KV memory budget or its queue is full.
+
+    ``retry_after_s`` is a hint (seconds) for when to try again, or None when the request can never fit
+    (it alone needs more than the whole budget). Nothing was started."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+__all__ += ["CapacityError"]

@@ -140,13 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[common, report],
-        help="run a benchmark: operator, window, compare or store (JSON with --json)",
+        help="run a benchmark: operator, window, compare, store or serve (JSON with --json)",
     )
     bench.add_argument(
         "name",
         help="operator (relocation error, eta vs rank, speed), window (agent trace per policy), "
         "compare (reuse and compression policies side by side), store (load vs recompute per tier), "
-        "gpu (the GPU suite on CUDA, kept as docs/results/gpu-<device>.json)",
+        "gpu (the GPU suite on CUDA, kept as docs/results/gpu-<device>.json), "
+        "serve (concurrent sessions on one server, batched vs one at a time)",
     )
     bench.add_argument("--shape", default=None, help="operator only: a random-weight model of this architecture")
     bench.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")

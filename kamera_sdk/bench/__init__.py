@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "compare": "kamera_sdk.bench.compare",
     "store": "kamera_sdk.bench.store",
     "gpu": "kamera_sdk.bench.gpu",
+    "serve": "kamera_sdk.bench.serve",
 }
 
 

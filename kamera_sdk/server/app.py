@@ -36,13 +36,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kamera_engine import Engine, InvalidInputError, KameraError, TextStream
+from kamera_engine.scheduler import Scheduler, SchedulerStats
 
 from ..stats import WindowStats
 from ..store import default_store_path, open_store
 from ..window import ContextWindow
 from . import chat as chat_ops
 from . import ops
-from .errors import AuthenticationError, PayloadTooLargeError, error_body, exception_body, status_for
+from .errors import (
+    AuthenticationError,
+    PayloadTooLargeError,
+    error_body,
+    error_headers,
+    exception_body,
+    status_for,
+)
 from .schemas import (
     ChatChoice,
     ChatCompletion,
@@ -84,13 +92,25 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class ServerState:
     """What the app owns: the engine, the model worker, the sessions and the limits."""
 
-    def __init__(self, engine: Engine, limits: ops.Limits, store: object | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        limits: ops.Limits,
+        store: object | None,
+        *,
+        batch: bool = True,
+        kv_budget_bytes: int | None = None,
+    ) -> None:
         self.engine = engine
         self.limits = limits
         # one store for every session: a path or URL is opened once here and shared
         self.store = open_store(default_store_path() if store == "default" else store) if store is not None else None
         self._owns_store = self.store is not None and self.store is not store
-        self.worker = ModelWorker()
+        # every session's answers decode together in the scheduler's batches (engines with a forward of
+        # their own kind, e.g. vision, decode one answer at a time on the worker)
+        batchable = batch and isinstance(engine, Engine) and type(engine)._run is Engine._run
+        self.scheduler = Scheduler(engine, kv_budget_bytes=kv_budget_bytes) if batchable else None
+        self.worker = ModelWorker(self.scheduler)
         # a dropped session's window is closed on the worker (its pending patches stored, its pins released)
         self.sessions = SessionRegistry(
             limits.max_sessions, limits.session_ttl_s, on_drop=lambda w: self.worker.submit(w.close)
@@ -169,7 +189,8 @@ class GuardMiddleware:
 
 
 def _error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(exception_body(exc), status_code=status_for(exc), headers=headers)
+    headers = {**(error_headers(exc) or {}), **(headers or {})}
+    return JSONResponse(exception_body(exc), status_code=status_for(exc), headers=headers or None)
 
 
 def _validation_message(exc: RequestValidationError, content_type: str | None) -> tuple[int, str]:
@@ -198,12 +219,17 @@ def create_app(
     max_new_tokens_limit: int = 1024,
     max_session_tokens: int = 32768,
     session_ttl_s: float | None = 3600.0,
+    batch: bool = True,
+    kv_budget_bytes: int | None = None,
 ) -> FastAPI:
     """An app serving ``engine``; every window shares ``store`` (an object, or a path each window opens).
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` on every path but ``/healthz``. Limits:
     request body bytes (413), decoded image bytes (413), open sessions (429), ``max_new_tokens`` per
     request (422), tokens per session window (413), idle seconds before a session expires.
+    ``batch``: decode every session's answers together in one scheduler (``False``: one forward per job,
+    answers interleaved token by token). ``kv_budget_bytes``: KV the answers being decoded may hold;
+    past it new answers wait in a bounded queue, then get 429 with ``Retry-After``.
     """
     limits = ops.Limits(
         max_body_bytes=max_body_bytes,
@@ -213,7 +239,7 @@ def create_app(
         max_session_tokens=max_session_tokens,
         session_ttl_s=session_ttl_s,
     )
-    state = ServerState(engine, limits, store)
+    state = ServerState(engine, limits, store, batch=batch, kv_budget_bytes=kv_budget_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -237,6 +263,11 @@ def create_app(
     @app.get("/healthz", response_model=Health)
     async def healthz() -> Health:
         return Health(model=engine.name)
+
+    @app.get("/v1/engine/stats", response_model=SchedulerStats | None)
+    async def engine_stats() -> SchedulerStats | None:
+        """The scheduler's batch sizes, queue waits and KV memory (null when the server does not batch)."""
+        return state.scheduler.stats() if state.scheduler is not None else None
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -323,7 +354,7 @@ def create_app(
     async def generate(session_id: str, req: GenerateRequest, request: Request) -> Any:
         s = sessions.get(session_id)
         check_max_new_tokens(req.max_new_tokens)
-        pieces, first = await worker.run(ops.start_generate, s.window, req)
+        pieces, first = await worker.run_keyed(s.id, ops.start_generate, s.window, req)
         if req.stream:
             return StreamingResponse(
                 _sse_generate(worker, pieces, first), media_type="text/event-stream", headers=_SSE_HEADERS
@@ -346,7 +377,8 @@ def create_app(
                 sessions.reserve()
                 found = sessions.add(ContextWindow(engine, store=state.store), key=key, kind="chat")
             window = found.window
-        start = await worker.run(chat_ops.start_chat, engine, window, req, params, limits)
+        key = req.session or req.user
+        start = await worker.run_keyed(key, chat_ops.start_chat, engine, window, req, params, limits)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage

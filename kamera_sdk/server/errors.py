@@ -8,6 +8,7 @@ The server adds a few errors to Kamera's tree (``kamera_engine.errors``)::
     │   └── PayloadTooLargeError           413  a body or image over the server's limit
     ├── ChunkNotFoundError                 404
     ├── WindowOperationError               409
+    ├── CapacityError                      429  the engine's KV budget or queue is full (with Retry-After)
     └── RemoteError                        the server or the way to it (status 0: no HTTP answer)
         ├── AuthenticationError            401  missing or wrong API key
         ├── SessionNotFoundError           404  unknown (or deleted) session id
@@ -22,11 +23,13 @@ exception and its traceback go to the ``kamera.server`` log under that reference
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from typing import Any
 
 from kamera_engine import errors as _engine_errors
 from kamera_engine.errors import (
+    CapacityError,
     ChunkNotFoundError,
     InvalidInputError,
     KameraError,
@@ -82,6 +85,7 @@ STATUS: dict[type[Exception], int] = {
     AuthenticationError: 401,
     SessionNotFoundError: 404,
     LimitExceededError: 429,
+    CapacityError: 429,
     UnsupportedModelError: 422,
     StoreError: 503,
     ModelLoadError: 500,
@@ -95,6 +99,12 @@ def status_for(exc: BaseException) -> int:
         if cls in STATUS:
             return STATUS[cls]
     return 500
+
+
+def error_headers(exc: BaseException) -> dict[str, str] | None:
+    """Headers an error response carries: ``Retry-After`` (whole seconds) when the engine is at capacity."""
+    retry = getattr(exc, "retry_after_s", None) if isinstance(exc, CapacityError) else None
+    return {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
 
 
 def error_body(type_name: str, message: str) -> dict[str, Any]:
@@ -152,6 +162,7 @@ __all__ = [
     "SessionNotFoundError",
     "error_body",
     "error_from_response",
+    "error_headers",
     "exception_body",
     "status_for",
 ]

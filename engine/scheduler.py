@@ -1,0 +1,604 @@
+"""Continuous batching: one scheduler owns an engine's decode forwards and batches every client's work.
+
+Clients submit requests (a prompt to prefill after a past KV, or an already prefilled prompt, then
+decoding under their own ``SamplingParams``). Each ``step()`` runs one batched forward
+(``batch.batched_forward``): one token for every running decode, plus prompt tokens of requests still
+prefilling, up to ``step_tokens`` in all, so a long prompt is prefilled in chunks over several steps
+and never stalls everyone's decode. Requests join at the next step and leave when they finish.
+
+A request's tokens stream back through its ``Request`` handle: a blocking iterator (which drives the
+scheduler itself when no thread does) and an async iterator. Requests under one submitter key (one
+window) run in submission order. Admission counts every request's KV bytes against ``kv_budget_bytes``:
+work that does not fit waits in a bounded queue, and past that it is refused with ``CapacityError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from itertools import count
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import BaseModel
+
+from .batch import Row, RowCache, batched_forward
+from .decode import SamplingParams, pick_token
+from .errors import CapacityError, InvalidInputError, KameraError
+from .kv import Past, past_parts
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .runner import Prefilled
+
+RequestState = Literal["waiting", "prefill", "decode", "done", "failed", "cancelled"]
+
+#: The scheduler that ``Engine.generate_ids`` / ``continue_ids`` submit to in this context, and the key.
+_ACTIVE: ContextVar[tuple[Scheduler, Hashable | None] | None] = ContextVar("kamera_scheduler", default=None)
+
+
+def active_scheduler(engine: object) -> tuple[Scheduler, Hashable | None] | None:
+    """The scheduler (and submitter key) that decoding on ``engine`` goes through here, if any."""
+    active = _ACTIVE.get()
+    if active is not None and active[0].engine is engine:
+        return active
+    own = getattr(engine, "scheduler", None)
+    return (own, None) if isinstance(own, Scheduler) else None
+
+
+class SchedulerStats(BaseModel):
+    """What the scheduler did: forwards, batch sizes, queue waits, KV memory."""
+
+    steps: int = 0
+    submitted: int = 0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    refused: int = 0
+    rows_total: int = 0  # sum of batch sizes over steps
+    batch_max: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    queue_wait_s_total: float = 0.0
+    queue_wait_s_max: float = 0.0
+    forward_s: float = 0.0
+    kv_bytes: int = 0  # held now by admitted requests
+    kv_bytes_peak: int = 0
+    kv_budget_bytes: int | None = None
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def batch_mean(self) -> float:
+        return self.rows_total / self.steps if self.steps else 0.0
+
+
+_END = object()
+
+
+class Request(Iterator[int]):
+    """A submitted request: iterate it for its token ids (blocking), or ``async for`` over ``aiter()``.
+
+    ``finish_reason``: ``"stop"`` (EOS or a stop string), ``"length"``, or None while it runs or when it
+    failed or was cancelled. ``close()`` (or ``cancel()``) withdraws it; the other requests go on.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        key: Hashable,
+        params: SamplingParams,
+        need_bytes: int,
+        *,
+        past: Past = None,
+        prompt_ids: torch.Tensor | None = None,
+        start: int = 0,
+        prefilled: Prefilled | None = None,
+    ) -> None:
+        self.id = next(scheduler._ids)
+        self.key = key
+        self.params = params
+        self.need_bytes = need_bytes
+        self.state: RequestState = "waiting"
+        self.finish_reason: Literal["stop", "length"] | None = None
+        self.error: BaseException | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.generated: list[int] = []
+        self._scheduler = scheduler
+        self._past, self._prompt, self._start, self._prefilled = past, prompt_ids, start, prefilled
+        self._cache: RowCache | None = None
+        self._done_prompt = 0  # prompt tokens prefilled so far
+        self._position = 0  # position of the next token fed to the model
+        self._generator: torch.Generator | None = None
+        self._out: deque[object] = deque()
+        self._cond = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []
+
+    # --- the consumer side --------------------------------------------------------------------
+    def __next__(self) -> int:
+        while True:
+            with self._cond:
+                if self._out:
+                    return self._item(self._out.popleft())
+                if self._scheduler._driven_elsewhere():  # a driver thread will hand the token over
+                    self._cond.wait(timeout=0.5)
+                    continue
+            if not self._scheduler.step() and not self._out:  # nobody drives: drive it from here
+                raise KameraError("the scheduler has no work it can run for this request")
+
+    def _item(self, item: object) -> int:
+        if item is _END:
+            self._out.appendleft(_END)  # every later next() ends too
+            if self.error is not None:
+                raise self.error
+            raise StopIteration
+        return item  # type: ignore[return-value]
+
+    async def aiter(self) -> AsyncIterator[int]:
+        """The token ids as an async iterator (needs a thread driving the scheduler, e.g. ``start()``)."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(ready.set)
+
+        with self._cond:
+            self._listeners.append(wake)
+        try:
+            while True:
+                with self._cond:
+                    item = self._out.popleft() if self._out else None
+                    if item is None:
+                        ready.clear()
+                if item is None:
+                    await ready.wait()
+                    continue
+                try:
+                    yield self._item(item)
+                except StopIteration:
+                    return
+        finally:
+            with self._cond:
+                self._listeners.remove(wake)
+            if self.state not in ("done", "failed", "cancelled"):
+                self.cancel()
+
+    def close(self) -> None:
+        """Withdraw the request if it is still running (what a consumer that stops reading does)."""
+        if self.state not in ("done", "failed", "cancelled"):
+            self.cancel()
+
+    def cancel(self) -> None:
+        self._scheduler._cancel(self)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
+    # --- the scheduler side -------------------------------------------------------------------
+    def _emit(self, item: object) -> None:
+        with self._cond:
+            self._out.append(item)
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for wake in listeners:
+            wake()
+
+
+@dataclass(slots=True)
+class _Plan:
+    rows: list[Row] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    finishing_prompt: list[bool] = field(default_factory=list)
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+
+
+class Scheduler:
+    """Continuous batching over one engine's model (see the module docstring).
+
+    ``step_tokens``: most tokens one forward runs (decodes count one each; prompt chunks fill the
+    rest). ``max_rows``: most requests in one forward. ``kv_budget_bytes``: the KV all admitted requests
+    may hold on the device (None: no limit). ``max_waiting``: requests that may wait for admission
+    before new ones are refused.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        step_tokens: int = 512,
+        max_rows: int = 64,
+        kv_budget_bytes: int | None = None,
+        max_waiting: int = 256,
+    ) -> None:
+        from .engine import Engine as _Engine
+
+        if type(engine)._run is not _Engine._run:
+            raise InvalidInputError(f"{type(engine).__name__} runs forwards of its own kind; it cannot be batched")
+        if step_tokens < 1 or max_rows < 1 or max_waiting < 0:
+            raise InvalidInputError("step_tokens and max_rows must be >= 1, max_waiting >= 0")
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise InvalidInputError(f"kv_budget_bytes must be >= 1 or None, got {kv_budget_bytes}")
+        self.engine = engine
+        self.step_tokens = step_tokens
+        self.max_rows = max_rows
+        self.kv_budget_bytes = kv_budget_bytes
+        self.max_waiting = max_waiting
+        self._ids = count()
+        self._lock = threading.RLock()
+        self._step_lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._kv_bytes = 0
+        self._stats = SchedulerStats(kv_budget_bytes=kv_budget_bytes)
+        self._driver: int | None = None  # the thread that drives steps, when one does
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._step_s = 0.05  # a running estimate of one step's time (retry hints)
+        layers = engine.num_layers
+        item = torch.empty((), dtype=engine.dtype).element_size()
+        self.bytes_per_token = layers * engine.num_kv_heads * (engine.key_dim + engine.value_dim) * item
+
+    # --- submitting -----------------------------------------------------------------------------
+    @contextmanager
+    def serving(self, key: Hashable | None = None) -> Iterator[None]:
+        """Within this block, the engine's ``generate_ids`` / ``continue_ids`` (so every window's
+        ``generate``) submit here, under ``key`` (one window's requests run in order)."""
+        token = _ACTIVE.set((self, key))
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def submit(
+        self,
+        past: Past,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        start: int,
+        params: SamplingParams,
+        *,
+        key: Hashable | None = None,
+    ) -> Request:
+        """Prefill ``prompt_ids`` at ``start...`` after ``past`` (a placed KV or its parts), then decode."""
+        params.validate()
+        ids = torch.as_tensor(list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids)
+        ids = ids.to(torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise InvalidInputError("prompt_ids must hold at least one token")
+        self.engine.check_ids(ids)
+        n_past = sum(len(p) for p in past_parts(past))
+        self._check_positions(start + int(ids.numel()), params)
+        need = (n_past + int(ids.numel()) + params.max_new_tokens) * self.bytes_per_token
+        req = Request(self, self._key(key), self._with_eos(params), need, past=past, prompt_ids=ids, start=start)
+        return self._enqueue(req)
+
+    def submit_prefilled(self, prompt: Prefilled, params: SamplingParams, *, key: Hashable | None = None) -> Request:
+        """Decode on from a prompt already prefilled (``ForwardResult.prefilled``)."""
+        params.validate()
+        self._check_positions(prompt.next_position, params)
+        n = int(prompt.layers[0][0].shape[2]) if prompt.layers else 0
+        need = (n + params.max_new_tokens) * self.bytes_per_token
+        req = Request(self, self._key(key), self._with_eos(params), need, prefilled=prompt)
+        return self._enqueue(req)
+
+    def _key(self, key: Hashable | None) -> Hashable:
+        return ("request", next(self._ids)) if key is None else key
+
+    def _with_eos(self, params: SamplingParams) -> SamplingParams:
+        if not params.eos_token_ids:
+            params.eos_token_ids = self.engine.eos_token_ids
+        return params
+
+    def _check_positions(self, positions: int, params: SamplingParams) -> None:
+        self.engine.check_length(positions, new_tokens=params.max_new_tokens)
+        limit = self.engine.adapter.max_context()
+        if limit is not None and positions + params.max_new_tokens > limit:
+            raise InvalidInputError(
+                f"{positions + params.max_new_tokens} positions exceed the sliding window ({limit})"
+            )
+
+    def _enqueue(self, req: Request) -> Request:
+        with self._lock:
+            if self.kv_budget_bytes is not None and req.need_bytes > self.kv_budget_bytes:
+                self._stats.refused += 1
+                raise CapacityError(
+                    f"the request needs {req.need_bytes} bytes of KV, more than the scheduler's whole budget "
+                    f"of {self.kv_budget_bytes}",
+                    retry_after_s=None,
+                )
+            if len(self._waiting) >= self.max_waiting and not self._fits_now(req):
+                self._stats.refused += 1
+                raise CapacityError(
+                    f"the engine is at capacity ({len(self._running)} running, {len(self._waiting)} waiting, "
+                    f"{self._kv_bytes} of {self.kv_budget_bytes} KV bytes held); try again later",
+                    retry_after_s=self.retry_after(),
+                )
+            self._waiting.append(req)
+            self._stats.submitted += 1
+        with self._wake:
+            self._wake.notify_all()
+        return req
+
+    def _fits_now(self, req: Request) -> bool:
+        return self.kv_budget_bytes is None or self._kv_bytes + req.need_bytes <= self.kv_budget_bytes
+
+    def retry_after(self) -> float:
+        """Seconds until some running request is likely to finish (a hint for refused clients)."""
+        with self._lock:
+            left = [r.params.max_new_tokens - len(r.generated) for r in self._running]
+        return round(max(0.1, min(left, default=1) * self._step_s), 2)
+
+    # --- stepping ---------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._running or self._waiting)
+
+    def step(self) -> bool:
+        """Admit what fits, run one batched forward, hand out its tokens. False when there was no work."""
+        with self._step_lock:
+            self._admit()
+            plan = self._plan()
+            if not plan.rows:
+                return False
+            t0 = time.perf_counter()
+            try:
+                logits = batched_forward(self.engine.model, plan.rows)
+            except Exception:
+                logits = self._alone(plan)  # find the request that fails; the others go on
+            dt = time.perf_counter() - t0
+            self._account(plan, dt)
+            for req, lg, finishing in zip(plan.requests, logits, plan.finishing_prompt, strict=True):
+                if lg is None:
+                    continue  # failed alone, or a prompt chunk that is not the last
+                if req.state == "cancelled":
+                    continue
+                if req.state == "prefill" and not finishing:
+                    continue
+                req.state = "decode"
+                self._take(req, lg)
+            return True
+
+    def _alone(self, plan: _Plan) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for req, row in zip(plan.requests, plan.rows, strict=True):
+            try:
+                out.append(batched_forward(self.engine.model, [row])[0])
+            except Exception as exc:
+                self._finish(req, "failed", error=_as_kamera(exc))
+                out.append(None)
+        return out
+
+    def _account(self, plan: _Plan, dt: float) -> None:
+        s = self._stats
+        s.steps += 1
+        s.rows_total += len(plan.rows)
+        s.batch_max = max(s.batch_max, len(plan.rows))
+        s.forward_s += dt
+        decode, prefill = plan.decode_rows, plan.prefill_tokens
+        s.decode_tokens += decode
+        s.prefill_tokens += prefill
+        self._step_s = 0.8 * self._step_s + 0.2 * dt
+        counters = self.engine.counters
+        counters.forwards += 1
+        counters.tokens_prefilled += prefill
+        counters.forward_s += dt
+
+    def _admit(self) -> None:
+        """Move waiting requests into the running set, in order, while rows and memory allow; a key's
+        request waits for the one before it (same key) to finish."""
+        with self._lock:
+            busy = {r.key for r in self._running}
+            kept: deque[Request] = deque()
+            blocked: set[Hashable] = set()
+            while self._waiting:
+                req = self._waiting.popleft()
+                if req.state == "cancelled":
+                    continue
+                if req.key in busy or req.key in blocked:  # a key's requests run one after another, in order
+                    kept.append(req)
+                    blocked.add(req.key)
+                    continue
+                if len(self._running) >= self.max_rows or not self._fits_now(req):
+                    kept.append(req)  # first come, first served: nothing overtakes a request memory holds back
+                    kept.extend(self._waiting)
+                    self._waiting.clear()
+                    break
+                wait = time.perf_counter() - req.submitted_at
+                self._stats.queue_wait_s_total += wait
+                self._stats.queue_wait_s_max = max(self._stats.queue_wait_s_max, wait)
+                try:
+                    self._start(req)
+                except Exception as exc:
+                    self._finish(req, "failed", error=_as_kamera(exc))
+                    continue
+                busy.add(req.key)
+            self._waiting = kept
+
+    def _start(self, req: Request) -> None:
+        params = req.params
+        if params.seed is not None and params.temperature > 0:
+            req._generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self._running.append(req)
+        self._kv_bytes += req.need_bytes
+        self._stats.kv_bytes_peak = max(self._stats.kv_bytes_peak, self._kv_bytes)
+        device = next(self.engine.model.parameters()).device
+        if req._prefilled is not None:
+            p = req._prefilled
+            req._cache = RowCache.from_layers(p.layers, reserve=params.max_new_tokens)
+            req._position = p.next_position
+            req._prefilled = None
+            req.state = "decode"
+            self._take(req, p.logits.float())
+            return
+        assert req._prompt is not None
+        reserve = int(req._prompt.numel()) + params.max_new_tokens
+        req._cache = RowCache.from_past(req._past, self.engine.num_layers, reserve=reserve, device=device)
+        req._past = None  # copied: the caller's tensors are free again
+        req._position = req._start
+        req.state = "prefill"
+
+    def _plan(self) -> _Plan:
+        plan = _Plan()
+        with self._lock:
+            decoding = [r for r in self._running if r.state == "decode"]
+            prefilling = [r for r in self._running if r.state == "prefill"]
+        budget = self.step_tokens
+        for req in decoding:
+            if len(plan.rows) >= self.max_rows:
+                break
+            assert req._cache is not None
+            plan.rows.append(Row.at(req._cache, [req.generated[-1]], req._position))
+            plan.requests.append(req)
+            plan.finishing_prompt.append(False)
+            plan.decode_rows += 1
+            budget -= 1
+        for req in prefilling:
+            if budget <= 0 or len(plan.rows) >= self.max_rows:
+                break
+            assert req._prompt is not None and req._cache is not None
+            left = int(req._prompt.numel()) - req._done_prompt
+            n = min(left, budget)
+            chunk = req._prompt[req._done_prompt : req._done_prompt + n]
+            last = n == left
+            plan.rows.append(Row.at(req._cache, chunk, req._position, logits="last" if last else "none"))
+            plan.requests.append(req)
+            plan.finishing_prompt.append(last)
+            req._done_prompt += n
+            req._position += n
+            plan.prefill_tokens += n
+            budget -= n
+        for req in plan.requests[: plan.decode_rows]:  # a decode row feeds its last token at the current position
+            req._position += 1
+        return plan
+
+    def _take(self, req: Request, logits: torch.Tensor) -> None:
+        """Pick the request's next token from its logits, hand it out, and finish the request when it ends."""
+        params = req.params
+        if params.max_new_tokens == 0:
+            self._finish(req, "done", reason="length")
+            return
+        token = pick_token(logits.cpu(), params, req._generator)
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.generated.append(token)
+        req._emit(token)
+        if token in params.eos_token_ids:
+            self._finish(req, "done", reason="stop")
+        elif params.stop and self._hit_stop(req):
+            self._finish(req, "done", reason="stop")
+        elif len(req.generated) >= params.max_new_tokens:
+            self._finish(req, "done", reason="length")
+
+    def _hit_stop(self, req: Request) -> bool:
+        """Whether the text decoded so far holds a stop string (the consumer cuts the text there)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return False
+        text = tok.decode(req.generated, skip_special_tokens=True)
+        return any(s in text for s in req.params.stop)
+
+    def _finish(
+        self,
+        req: Request,
+        state: RequestState,
+        *,
+        reason: Literal["stop", "length"] | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        with self._lock:
+            if req.done:
+                return
+            req.state = state
+            req.finish_reason = reason
+            req.error = error
+            if req in self._running:
+                self._running.remove(req)
+                self._kv_bytes -= req.need_bytes
+            elif req in self._waiting:
+                self._waiting.remove(req)
+            req._cache = None
+            req._past = req._prefilled = None
+            counter = {"done": "finished", "failed": "failed", "cancelled": "cancelled"}[state]
+            setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        req._emit(_END)
+        with self._wake:
+            self._wake.notify_all()
+
+    def _cancel(self, req: Request) -> None:
+        with self._step_lock if self._driver != threading.get_ident() else _nothing():
+            self._finish(req, "cancelled")
+
+    # --- a thread that drives it ------------------------------------------------------------------
+    def start(self) -> None:
+        """Drive the scheduler from a thread of its own until ``stop()``."""
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kamera-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        with self.driving():
+            while not self._stop:
+                if not self.step():
+                    self.wait_for_work(0.5)
+
+    @contextmanager
+    def driving(self) -> Iterator[None]:
+        """Mark the current thread as the one that steps this scheduler (consumers elsewhere wait)."""
+        self._driver = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._driver = None
+
+    def wait_for_work(self, timeout: float) -> None:
+        with self._wake:
+            if not self.has_work():
+                self._wake.wait(timeout)
+
+    def notify(self) -> None:
+        """Wake a driver waiting for work (a caller that added work of its own)."""
+        with self._wake:
+            self._wake.notify_all()
+
+    def _driven_elsewhere(self) -> bool:
+        return self._driver is not None and self._driver != threading.get_ident()
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            s = self._stats.model_copy()
+            s.kv_bytes = self._kv_bytes
+            s.running = len(self._running)
+            s.waiting = len(self._waiting)
+        return s
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _as_kamera(exc: BaseException) -> BaseException:
+    if isinstance(exc, KameraError):
+        return exc
+    err = KameraError(f"the request's forward failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err

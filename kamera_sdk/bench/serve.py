@@ -1,0 +1,180 @@
+"""``kamera bench serve``: concurrent agent sessions on one server, batched vs one answer at a time.
+
+The engine is served on loopback twice (``create_app(engine, batch=True)`` and ``batch=False``); for N
+in 1, 8, 32 concurrent sessions, each session runs an agent-like loop: add a page, ask a question
+(streamed answer), slide the oldest page out once it holds three. Per mode and N: tokens/s and
+requests/s over the run, TTFT and latency p50/p95 of the answers, the process's peak RSS and, batched,
+the scheduler's batch sizes and peak KV bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from kamera_engine import Engine
+
+_WORDS = "river stone lamp orchard violin harbor ledger copper meadow lantern".split()
+
+
+def _page(session: int, step: int) -> str:
+    words = [_WORDS[(session * 7 + step * 3 + k) % len(_WORDS)] for k in range(40)]
+    return f"Report {step} of agent {session}: the {words[0]} is at number {session * 13 + step}. " + " ".join(words)
+
+
+@contextmanager
+def _served(engine: Engine, batch: bool) -> Iterator[tuple[str, Any]]:
+    import uvicorn
+
+    from ..server import create_app
+
+    app = create_app(engine, batch=batch, max_sessions=1024, session_ttl_s=None)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+def _ask(client: httpx.Client, sid: str, prompt: str, max_new_tokens: int) -> tuple[float, float, int]:
+    """One streamed answer: (TTFT, latency, tokens decoded)."""
+    t0 = time.perf_counter()
+    ttft, tokens, event = None, 0, ""
+    body = {"prompt": prompt, "max_new_tokens": max_new_tokens, "stream": True}
+    with client.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                if event == "token" and ttft is None:
+                    ttft = time.perf_counter() - t0
+                elif event == "done":
+                    tokens = int(json.loads(line[5:])["tokens"])
+                elif event == "error":
+                    raise RuntimeError(line[5:])
+    latency = time.perf_counter() - t0
+    return (ttft if ttft is not None else latency), latency, tokens
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def _load(url: str, sessions: int, rounds: int, max_new_tokens: int) -> dict[str, Any]:
+    barrier = threading.Barrier(sessions + 1)
+    lock = threading.Lock()
+    ttfts: list[float] = []
+    lats: list[float] = []
+    tokens: list[int] = []
+    errors: list[str] = []
+    ends: list[float] = []
+
+    def agent(i: int) -> None:
+        client = httpx.Client(base_url=url, timeout=600)
+        try:
+            sid = client.post("/v1/sessions", json={}).raise_for_status().json()["id"]
+        except Exception as exc:  # counted, never hidden
+            errors.append(f"session {i}: {exc}")
+            barrier.wait()
+            return
+        barrier.wait()
+        try:
+            held = 0
+            for step in range(rounds):
+                client.post(f"/v1/sessions/{sid}/chunks", json={"text": _page(i, step)}).raise_for_status()
+                held += 1
+                ttft, lat, n = _ask(client, sid, f"What is at number {i * 13 + step}? Answer briefly.", max_new_tokens)
+                with lock:
+                    ttfts.append(ttft)
+                    lats.append(lat)
+                    tokens.append(n)
+                if held >= 3:
+                    client.post(f"/v1/sessions/{sid}/slide", json={"n": 1}).raise_for_status()
+                    held -= 1
+            with lock:
+                ends.append(time.perf_counter())
+            client.delete(f"/v1/sessions/{sid}")
+        except Exception as exc:
+            with lock:
+                errors.append(f"session {i}: {type(exc).__name__}: {exc}")
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = max(ends, default=time.perf_counter()) - t0
+    return {
+        "tokens_per_s": sum(tokens) / elapsed if elapsed > 0 else 0.0,
+        "requests_per_s": len(lats) / elapsed if elapsed > 0 else 0.0,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else 0.0,
+        "ttft_p95_s": _pct(ttfts, 0.95),
+        "p50_s": statistics.median(lats) if lats else 0.0,
+        "p95_s": _pct(lats, 0.95),
+        "answers": len(lats),
+        "tokens": sum(tokens),
+        "elapsed_s": elapsed,
+        "errors": errors,
+    }
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+    """Batched vs one-at-a-time over ``counts`` concurrent sessions (``quick``: fewer rounds, shorter answers)."""
+    rounds, max_new = (2, 16) if quick else (3, 32)
+    sessions: dict[str, dict[str, Any]] = {}
+    ratio: dict[str, float] = {}
+    for n in counts:
+        row: dict[str, Any] = {}
+        for mode, batch in (("batched", True), ("sequential", False)):
+            print(f"serve: {n} sessions, {mode}", file=sys.stderr)
+            with _served(engine, batch) as (url, app):
+                row[mode] = _load(url, n, rounds, max_new)
+                row[mode]["peak_rss_bytes"] = _peak_rss_bytes()
+                sched = app.state.kamera.scheduler
+                if sched is not None:
+                    s = sched.stats()
+                    row[mode]["batch_mean"] = s.batch_mean
+                    row[mode]["batch_max"] = s.batch_max
+                    row[mode]["kv_bytes_peak"] = s.kv_bytes_peak
+                    row[mode]["queue_wait_s_max"] = s.queue_wait_s_max
+        sessions[str(n)] = row
+        seq = row["sequential"]["tokens_per_s"]
+        ratio[str(n)] = row["batched"]["tokens_per_s"] / seq if seq else 0.0
+    return {
+        "sessions": sessions,
+        "throughput_ratio": ratio,
+        "rounds": rounds,
+        "max_new_tokens": max_new,
+        "model": engine.name,
+        "device": str(engine.device),
+    }

@@ -1,0 +1,111 @@
+"""Batched forwards: every row of a packed forward equals its own single-request forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kamera_engine import Engine, InvalidInputError
+from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward
+from kamera_engine.kv import KV
+from kamera_engine.runner import run_forward
+from tests.conftest import random_ids
+
+#: (past tokens, new tokens) per row: an empty past, decode steps, prompts longer and shorter than pasts
+SHAPES = [(0, 5), (7, 3), (12, 1), (3, 9), (20, 1)]
+TOL = 1e-4
+
+
+def _past(engine: Engine, n: int, seed: int) -> KV | None:
+    if n == 0:
+        return None
+    return run_forward(engine.model, torch.tensor(random_ids(n, seed)), None, 0, logits="none").kv
+
+
+def test_every_row_equals_its_single_forward(tiny: Engine) -> None:
+    rows, refs = [], []
+    for i, (p, n) in enumerate(SHAPES):
+        past = _past(tiny, p, i)
+        ids = torch.tensor(random_ids(n, 100 + i))
+        refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
+        rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
+    outs = batched_forward(tiny.model, rows)
+    for (p, n), ref, out, row in zip(SHAPES, refs, outs, rows, strict=True):
+        assert out is not None and out.shape == ref.logits.shape
+        assert (out - ref.logits).abs().max() < TOL
+        assert torch.equal(out.argmax(-1), ref.logits.argmax(-1))
+        kv = row.cache.kv(p, p + n, None)
+        assert (kv.keys - ref.kv.keys).abs().max() < TOL
+        assert (kv.values - ref.kv.values).abs().max() < TOL
+        assert len(row.cache) == p + n
+    assert tiny.model.config._attn_implementation == "sdpa"  # the model is left as it was
+
+
+def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
+    """Several decode steps in a batch, rows of different lengths, against transformers' own cache."""
+    prompts = [random_ids(n, 50 + n) for n in (4, 11, 6)]
+    caches = [RowCache.from_past(None, tiny.num_layers, reserve=len(p) + 4) for p in prompts]
+    first = batched_forward(tiny.model, [Row.at(c, p, 0) for c, p in zip(caches, prompts, strict=True)])
+    singles = [run_forward(tiny.model, torch.tensor(p), None, 0) for p in prompts]
+    tokens = [int(f.argmax()) for f in first]  # type: ignore[union-attr]
+    assert tokens == [int(s.logits[-1].argmax()) for s in singles]
+    pos = [len(p) for p in prompts]
+    single_caches = [s.cache for s in singles]
+    for _ in range(3):
+        outs = batched_forward(tiny.model, [Row.at(c, [t], q) for c, t, q in zip(caches, tokens, pos, strict=True)])
+        for i, out in enumerate(outs):
+            ref = tiny.model(
+                input_ids=torch.tensor([[tokens[i]]]),
+                position_ids=torch.tensor([[pos[i]]]),
+                past_key_values=single_caches[i],
+                use_cache=True,
+            ).logits[0, -1]
+            assert out is not None and (out - ref).abs().max() < TOL
+            tokens[i] = int(ref.argmax())
+            assert int(out.argmax()) == tokens[i]
+            pos[i] += 1
+
+
+def test_logits_none_and_last_are_per_row(tiny: Engine) -> None:
+    rows = [
+        Row.at(RowCache.from_past(None, tiny.num_layers), random_ids(3, 1), 0, logits="none"),
+        Row.at(RowCache.from_past(None, tiny.num_layers), random_ids(4, 2), 0, logits="last"),
+    ]
+    none, last = batched_forward(tiny.model, rows)
+    assert none is None and last is not None and last.shape == (tiny.vocab_size,)
+
+
+def test_a_failing_forward_leaves_every_row_as_it_was(tiny: Engine) -> None:
+    good = RowCache.from_past(_past(tiny, 5, 0), tiny.num_layers, reserve=4)
+    before = [(k.clone(), v.clone()) for k, v in good.layers()]
+    bad_ids = torch.tensor([tiny.vocab_size + 5])  # out of the embedding: the forward raises
+    with pytest.raises(IndexError):
+        rows = [Row.at(good, random_ids(2, 3), 5), Row.at(RowCache.from_past(None, 2), bad_ids, 0)]
+        batched_forward(tiny.model, rows)
+    assert len(good) == 5
+    for (k, v), (k0, v0) in zip(good.layers(), before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert tiny.model.config._attn_implementation == "sdpa"
+
+
+def test_row_checks_its_inputs() -> None:
+    cache = RowCache.from_past(None, 2)
+    with pytest.raises(InvalidInputError):
+        Row(cache, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
+    with pytest.raises(InvalidInputError):
+        Row(cache, torch.tensor([1, 2]), torch.tensor([0]))
+    with pytest.raises(InvalidInputError):
+        Row(cache, torch.tensor([1]), torch.tensor([0]), logits="some")
+
+
+def test_a_single_forward_elsewhere_keeps_sdpa_semantics(tiny: Engine) -> None:
+    """The registered name falls back to SDPA with SDPA's mask when no batch is running."""
+    past = _past(tiny, 6, 1)
+    ids = torch.tensor(random_ids(4, 9))
+    ref = run_forward(tiny.model, ids, past, 6, logits="all").logits
+    tiny.model.config._attn_implementation = ROWS_ATTENTION
+    try:
+        other = run_forward(tiny.model, ids, past, 6, logits="all").logits
+    finally:
+        tiny.model.config._attn_implementation = "sdpa"
+    assert torch.equal(ref, other)

@@ -1,0 +1,80 @@
+"""The server decodes concurrent sessions' answers together, each equal to its answer alone, and refuses
+work past the KV budget with 429 and Retry-After (tiny random model, real uvicorn on loopback)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from kamera_engine.errors import CapacityError
+from kamera_sdk.server import create_app, ops
+from kamera_sdk.server.client import RemoteWindow
+from tests.conftest import tiny_chat_engine
+from tests.server.conftest import run_server
+
+AUTH = {"Authorization": "Bearer k"}
+
+
+def _answers(batch: bool, engine) -> tuple[list[str], dict | None]:
+    app = create_app(engine, api_key="k", batch=batch)
+    out: list[str] = [""] * 4
+    with run_server(app, "k") as server:
+        c = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
+        sids = []
+        for i in range(4):
+            sid = c.post("/v1/sessions").json()["id"]
+            c.post(f"/v1/sessions/{sid}/chunks", json={"text": f"Agent {i} keeps {i * 3 + 1} lamps. " * (i + 1)})
+            sids.append(sid)
+        barrier = threading.Barrier(4)
+
+        def ask(i: int) -> None:
+            barrier.wait()
+            body = {"prompt": f"How many lamps, agent {i}?", "max_new_tokens": 24, "stream": i % 2 == 1}
+            r = httpx.post(f"{server.url}/v1/sessions/{sids[i]}/generate", headers=AUTH, json=body, timeout=120)
+            out[i] = r.text if body["stream"] else r.json()["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = c.get("/v1/engine/stats").json()
+    return out, stats
+
+
+def test_concurrent_answers_batch_and_equal_their_answers_alone() -> None:
+    engine = tiny_chat_engine()
+    alone, none = _answers(False, engine)
+    together, stats = _answers(True, engine)
+    assert none is None
+    assert together == alone and all(alone)
+    assert stats["batch_max"] >= 2 and stats["finished"] == 4 and stats["kv_bytes"] == 0
+
+
+def test_a_full_engine_answers_429_with_retry_after(monkeypatch) -> None:
+    def full(win, req):
+        raise CapacityError("the engine is at capacity", retry_after_s=2.3)
+
+    monkeypatch.setattr(ops, "start_generate", full)
+    app = create_app(tiny_chat_engine(), api_key="k")
+    with run_server(app, "k") as server:
+        c = httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
+        sid = c.post("/v1/sessions").json()["id"]
+        c.post(f"/v1/sessions/{sid}/chunks", json={"text": "A page."})
+        r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "Q", "max_new_tokens": 4})
+        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["type"] == "CapacityError"
+
+
+def test_an_answer_over_the_whole_budget_is_refused_and_the_session_goes_on() -> None:
+    app = create_app(tiny_chat_engine(), api_key="k", kv_budget_bytes=1)
+    with run_server(app, "k") as server:
+        win = RemoteWindow(server.url, api_key="k")
+        win.add_text("A page.")
+        with pytest.raises(CapacityError):
+            win.generate("Q", max_new_tokens=4)
+        assert len(win.chunks) == 1  # the window is as it was
+        stats = httpx.get(f"{server.url}/v1/engine/stats", headers=AUTH).json()
+        assert stats["refused"] == 1 and stats["running"] == 0
