@@ -68,6 +68,23 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
+def next_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    constraint: TokenConstraint | None = None,
+) -> int:
+    """The next token from logits (vocab,): only among those ``constraint`` admits, which then advances
+    on it (an end-of-sequence token ends the answer and is not fed to the grammar)."""
+    scores = logits.cpu()
+    if constraint is not None:
+        scores = constraint.mask_(scores.clone())
+    token = pick_token(scores, params, generator)
+    if constraint is not None and token not in constraint.eos_token_ids:
+        constraint.advance(token)
+    return token
+
+
 @torch.inference_mode()
 def decode_tokens(
     model: nn.Module,
@@ -93,12 +110,7 @@ def decode_tokens(
     logits = first_logits
     pos = next_position
     for step in range(params.max_new_tokens):
-        scores = logits.cpu()
-        if constraint is not None:
-            scores = constraint.mask_(scores.clone())
-        token = pick_token(scores, params, generator)
-        if constraint is not None and token not in eos:
-            constraint.advance(token)
+        token = next_token(logits, params, generator, constraint)
         yield token
         if token in eos or step == params.max_new_tokens - 1:
             return  # no forward for a token nobody will read

@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel
 
 from .batch import Row, RowCache, batched_forward
-from .decode import SamplingParams, pick_token
+from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
 
@@ -117,6 +117,7 @@ class Request(Iterator[int]):
         self._done_prompt = 0  # prompt tokens prefilled so far
         self._position = 0  # position of the next token fed to the model
         self._generator: torch.Generator | None = None
+        self._constraint = scheduler.engine.constraint(params)  # the walk through params.grammar, if any
         self._out: deque[object] = deque()
         self._cond = threading.Condition()
         self._listeners: list[Callable[[], None]] = []
@@ -486,7 +487,7 @@ class Scheduler:
         if params.max_new_tokens == 0:
             self._finish(req, "done", reason="length")
             return
-        token = pick_token(logits.cpu(), params, req._generator)
+        token = next_token(logits, params, req._generator, req._constraint)
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         req.generated.append(token)
