@@ -100,3 +100,30 @@ def test_bad_grammars_are_refused_when_built(make: object, message: str) -> None
 def test_sampling_params_refuse_a_foreign_grammar() -> None:
     with pytest.raises(InvalidInputError, match="grammar must be a kamera Grammar"):
         SamplingParams(grammar={"type": "object"}).validate()  # type: ignore[arg-type]
+
+
+def test_a_constrained_row_in_a_batch_equals_its_answer_alone(chat: object) -> None:
+    from kamera_engine.scheduler import Scheduler
+
+    schema = {
+        "type": "object",
+        "properties": {"action": {"enum": ["click", "scroll"]}, "x": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["action", "x"],
+        "additionalProperties": False,
+    }
+    start = len(chat.anchor_ids)
+    prompts = [chat.prompt_ids(p) for p in ("Act.", "Say something long.", "Another one.")]
+    kinds = [
+        dict(max_new_tokens=40, grammar=Grammar.json_schema(schema)),
+        dict(max_new_tokens=12),
+        dict(max_new_tokens=40, temperature=1.0, seed=7, grammar=Grammar.regex(r"(yes|no)")),
+    ]
+    alone = [
+        list(chat.generate_ids(chat.anchor_kv, p, start, SamplingParams(**k)))
+        for p, k in zip(prompts, kinds, strict=True)
+    ]
+    sched = Scheduler(chat)
+    reqs = [sched.submit(chat.anchor_kv, p, start, SamplingParams(**k)) for p, k in zip(prompts, kinds, strict=True)]
+    batched = [list(r) for r in reqs]
+    assert batched == alone
+    jsonschema.validate(json.loads(chat.tokenizer.decode(batched[0], skip_special_tokens=True)), schema)
