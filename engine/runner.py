@@ -5,7 +5,7 @@ Kamera assembles caches from relocated, patched chunks, so the engine drives the
 one ``model(...)`` call with ``position_ids`` and a ``DynamicCache`` made from our KV.
 
 Every call that hands a module a cache goes through :func:`call_with_cache`, the one place that knows
-what transformers names that argument (``cache`` since 5.2x, ``past_key_values`` before, ``layer_past``
+what transformers names that argument (``cache`` from 5.24, ``past_key_values`` before, ``layer_past``
 for some decoder layers).
 """
 
