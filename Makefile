@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kamera-installed
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test test-oldest lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,17 @@ test: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# The oldest transformers pyproject.toml admits, installed beside the venv's (not over it), and the fast
+# engine, vision and compression tests run again on it; the first check fails if it is not the one imported.
+TRANSFORMERS_OLDEST := 5.18.0
+OLDEST := .transformers-oldest
+test-oldest: $(STAMP)
+	test -f $(OLDEST)/transformers-$(TRANSFORMERS_OLDEST).dist-info/METADATA || \
+		$(BIN)/pip install -q --no-deps --target $(OLDEST) transformers==$(TRANSFORMERS_OLDEST)
+	PYTHONPATH=$(OLDEST) $(BIN)/python -c "import transformers as t; assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__"
+	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" \
+		tests/engine tests/vision tests/sdk/test_compression.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -30,4 +41,4 @@ bench: $(STAMP)
 	$(BIN)/kamera bench operator
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST) build *.egg-info

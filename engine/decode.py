@@ -16,6 +16,12 @@ from torch import nn
 
 from .constrained import Grammar, TokenConstraint
 from .errors import InvalidInputError
+from .kv import drop_tokens
+from .runner import call_with_cache
+
+#: Run after each decode step with plain counts: (tokens in the cache, tokens generated so far) -> the cache
+#: rows to drop from every layer and head (empty or None: keep all). Compression policies evict here.
+StepHook = Callable[[int, int], Sequence[int] | None]
 
 
 @dataclass(slots=True)
@@ -92,14 +98,14 @@ def decode_tokens(
     first_logits: torch.Tensor,
     next_position: int,
     params: SamplingParams,
-    after_step: Callable[[object, int], None] | None = None,
+    after_step: StepHook | None = None,
     constraint: TokenConstraint | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids, feeding each back at its explicit position.
 
-    ``after_step(cache, generated)`` runs after each token is added to the cache (compression policies
-    evict there). ``constraint``: only tokens its grammar admits are picked (``constrained.py``); the
-    answer ends with the grammar's end-of-sequence once the grammar is complete.
+    ``after_step(cached, generated)`` runs after each token is added to the cache; the rows it names are
+    dropped from the cache before the next step. ``constraint``: only tokens its grammar admits are picked
+    (``constrained.py``); the answer ends with the grammar's end-of-sequence once the grammar is complete.
     """
     params.validate()
     eos = set(params.eos_token_ids) | set(constraint.eos_token_ids if constraint is not None else ())
@@ -114,16 +120,27 @@ def decode_tokens(
         yield token
         if token in eos or step == params.max_new_tokens - 1:
             return  # no forward for a token nobody will read
-        out = model(
-            input_ids=torch.tensor([[token]], device=device),
-            position_ids=torch.tensor([[pos]], device=device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = out.logits[0, -1].float()
+        logits = step_logits(model, cache, token, pos, device)
         pos += 1
         if after_step is not None:
-            after_step(cache, pos - next_position)
+            drop_tokens(cache, after_step(cached_tokens(cache), pos - next_position))
+
+
+def step_logits(model: nn.Module, cache: object, token: int, position: int, device: torch.device) -> torch.Tensor:
+    """Feed one token at ``position`` on ``cache`` (grown in place); its next-token logits (vocab,)."""
+    out = call_with_cache(
+        model,
+        cache,
+        input_ids=torch.tensor([[token]], device=device),
+        position_ids=torch.tensor([[position]], device=device),
+        use_cache=True,
+    )
+    return out.logits[0, -1].float()
+
+
+def cached_tokens(cache: object) -> int:
+    """Tokens a transformers cache holds (its first layer's length)."""
+    return int(cache.layers[0].keys.shape[-2])  # type: ignore[attr-defined]
 
 
 #: Why an answer ended: EOS or a stop string, or ``max_new_tokens`` decoded.

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from . import compressed
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
 from .constrained import TokenConstraint
@@ -423,3 +424,37 @@ class Engine:
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
         return TextStream(token_ids, self.tokenizer, params)
+
+    # --- compression: the operations a KV compression policy needs (kamera_engine.compressed) --------
+    def prefill_with_stats(
+        self,
+        past: Past,
+        window_ids: Sequence[int],
+        prompt_ids: Sequence[int],
+        spec: compressed.AttentionStatsSpec,
+        observation: int,
+    ) -> compressed.StatsPrefill:
+        """Prefill ``prompt_ids`` over a window and score its keys by the queries ``spec`` declares."""
+        return compressed.prefill_with_stats(self, past, window_ids, prompt_ids, spec, observation)
+
+    def decode_on(
+        self,
+        kv: KV,
+        logits: torch.Tensor,
+        position: int,
+        params: SamplingParams,
+        after_step: compressed.StepHook | None = None,
+    ) -> Iterator[int]:
+        """Decode after a compressed ``kv``; ``after_step`` names cache rows to drop after each step."""
+        return compressed.decode_on(self, kv, logits, position, params, after_step)
+
+    def score_on(
+        self,
+        kv: KV,
+        logits: torch.Tensor,
+        position: int,
+        continuation: Sequence[int],
+        after_step: compressed.StepHook | None = None,
+    ) -> list[torch.Tensor]:
+        """Teacher-forced next-token log-probs along ``continuation`` after a compressed ``kv``."""
+        return compressed.score_on(self, kv, logits, position, continuation, after_step)

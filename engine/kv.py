@@ -155,6 +155,23 @@ class _ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def drop_tokens(cache: DynamicCache, rows: Sequence[int] | None) -> None:
+    """Drop cache rows ``rows`` (token indices) from every layer and head of ``cache``, in place: the one
+    edit a decode-time eviction makes to a transformers cache. Rows outside the cache are refused before
+    any layer changes."""
+    if not rows or not cache.layers:
+        return
+    n = int(cache.layers[0].keys.shape[-2])
+    bad = [r for r in rows if not -n <= r < n]
+    if bad:
+        raise InvalidInputError(f"cannot drop cache rows {bad[:5]}: the cache holds {n} tokens")
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[list(rows)] = False
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, keep]
+        layer.values = layer.values[:, :, keep]
+
+
 def to_cache(past: Past, config: Any, *, reserve: int = 0, device: torch.device | str | None = None) -> DynamicCache:
     """A transformers ``DynamicCache`` holding ``past`` (one KV or its parts, in order; empty when None).
 

@@ -3,18 +3,24 @@
 transformers' ``generate()`` assumes the cache was built by the model itself at contiguous positions;
 Kamera assembles caches from relocated, patched chunks, so the engine drives the model directly:
 one ``model(...)`` call with ``position_ids`` and a ``DynamicCache`` made from our KV.
+
+Every call that hands a module a cache goes through :func:`call_with_cache`, the one place that knows
+what transformers names that argument (``cache`` from 5.24, ``past_key_values`` before, ``layer_past``
+for some decoder layers).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import cache as memoised
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, UnsupportedModelError
 from .kv import KV, Past, past_parts, to_cache
 
 
@@ -61,6 +67,30 @@ def past_cache(input_ids: torch.Tensor, past: Past, config: Any, device: torch.d
     return cache, sum(len(p) for p in parts)
 
 
+#: Names a forward takes its cache under, newest first: transformers renamed ``past_key_values`` to ``cache``
+#: (the old name warns, and goes in 5.40); some decoder layers still say ``layer_past``.
+CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past")
+
+
+@memoised
+def cache_keyword(module_type: type[nn.Module]) -> str:
+    """The keyword ``module_type.forward`` takes its cache under, read once per class from its signature
+    (transformers' deprecation wrappers keep the wrapped signature)."""
+    params = inspect.signature(module_type.forward).parameters
+    for name in CACHE_KEYWORDS:
+        if name in params:
+            return name
+    raise UnsupportedModelError(
+        f"{module_type.__name__}.forward takes no cache argument (looked for {', '.join(CACHE_KEYWORDS)})"
+    )
+
+
+def call_with_cache(module: nn.Module, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` (a model, its language model or one decoder layer) with ``cache`` under the keyword
+    its forward takes in the installed transformers, so no deprecated name is ever passed."""
+    return module(*args, **{cache_keyword(type(module)): cache}, **kwargs)
+
+
 _KEEP = {"last": 1, "all": 0, "none": 1}  # logits= -> transformers' logits_to_keep
 
 
@@ -85,12 +115,15 @@ def run_forward(
     n_new = int(input_ids.shape[0])
     positions = torch.arange(start, start + n_new, dtype=torch.long)
     keep = _KEEP[logits]
-    out = model(
+    out = call_with_cache(
+        model,
+        cache,
         input_ids=input_ids[None].to(device),
         position_ids=positions[None].to(device),
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=keep,
     )
-    new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, positions)
-    return ForwardResult(new_kv, out.logits[0].float(), out.past_key_values)
+    # the model grows the cache it was handed in place (read back from ``cache``, not the output's field,
+    # whose name changed with the argument's)
+    new_kv = KV.from_cache(cache, n_past, n_past + n_new, positions)
+    return ForwardResult(new_kv, out.logits[0].float(), cache)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters.base import layer_cache_kwargs
 from .errors import InvalidInputError
 from .kv import KV
+from .runner import call_with_cache
 
 
 class ScatterCache:
@@ -119,10 +119,10 @@ def recompute_tokens(
     first = 0
     if check_layer is not None:
         for layer in range(check_layer):
-            hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, adapter, device)
+            hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, device)
         # probe the check layer with every candidate (not stored) to measure key deviation
         cache.persist_from = check_layer + 1
-        _run(layers[check_layer], hidden, pos, mask, cache, rotary, adapter, device)
+        _run(layers[check_layer], hidden, pos, mask, cache, rotary, device)
         fresh = cache.captured[check_layer][0]  # (H, n, D)
         cached = window.keys[check_layer][cand].transpose(0, 1).to(fresh.device)  # (n, H, D) -> (H, n, D)
         deviation = (fresh.float() - cached.float()).norm(dim=(0, 2))  # (n,)
@@ -135,7 +135,7 @@ def recompute_tokens(
         cache.persist_from = check_layer
         first = check_layer
     for layer in range(first, len(layers)):
-        hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, adapter, device)
+        hidden = _run(layers[layer], hidden, pos, mask, cache, rotary, device)
     return RecomputeResult(cache.to_kv(torch.arange(n)), pos)
 
 
@@ -184,9 +184,9 @@ def reprefill_from_layer(
     in_context = _mask(pos, n, hidden.dtype).to(device)
     for layer in range(len(layers)):
         if layer < from_layer:
-            hidden = _run(layers[layer], hidden, canonical_pos, isolated, cache, rotary, adapter, device)
+            hidden = _run(layers[layer], hidden, canonical_pos, isolated, cache, rotary, device)
         else:
-            hidden = _run(layers[layer], hidden, pos, in_context, cache, rotary, adapter, device)
+            hidden = _run(layers[layer], hidden, pos, in_context, cache, rotary, device)
     return cache.to_kv(torch.arange(n))
 
 
@@ -200,17 +200,18 @@ def _check_window(window: KV, token_ids: Sequence[int], what: str) -> int:
     return n
 
 
-def _run(layer, hidden, pos, mask, cache, rotary, adapter, device):  # type: ignore[no-untyped-def]
+def _run(layer, hidden, pos, mask, cache, rotary, device):  # type: ignore[no-untyped-def]
     """One decoder layer over the running tokens, rotated at positions ``pos`` (``mask``: additive,
     (1, 1, q, N), over the window's rows)."""
     position_ids = pos[None].to(device)
     pe = rotary(hidden, position_ids)
-    out = layer(
+    out = call_with_cache(
+        layer,
+        cache,
         hidden,
         attention_mask=mask,
         position_ids=position_ids,
         position_embeddings=pe,
         use_cache=True,
-        **layer_cache_kwargs(adapter, cache),
     )
     return out[0] if isinstance(out, tuple) else out

@@ -44,7 +44,7 @@ from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from ..kv import KV, Past
 from ..loading import LoadSettings, ModelSource, load_engine, register_engine_kind
 from ..rope import RopeSpec
-from ..runner import ForwardResult, past_cache
+from ..runner import ForwardResult, call_with_cache, past_cache
 from .base import FAMILIES, Features, MediaInput, VisionFamily, family_for
 from .cache import VisionCache, tensors_device
 from .mrope import MRopeSpec
@@ -231,18 +231,13 @@ class VisionEngine(Engine):
                 mask = virt[None].to(dev)
         pos = self.family.position_ids(linear, deltas).to(dev)
         lm = self.family.language_model()
-        out = lm(
-            inputs_embeds=embeds,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            **self.family.forward_kwargs(mask, deep_list),
-        )
+        kwargs = self.family.forward_kwargs(mask, deep_list)
+        out = call_with_cache(lm, cache, inputs_embeds=embeds, position_ids=pos, use_cache=True, **kwargs)
         hidden = out.last_hidden_state
         head = self.family.lm_head()
         lg = head(hidden[0] if logits == "all" else hidden[0, -1:]).float()
-        new_kv = KV.from_cache(out.past_key_values, n_past, n_past + n_new, linear, deltas)
-        return ForwardResult(new_kv, lg, out.past_key_values)
+        new_kv = KV.from_cache(cache, n_past, n_past + n_new, linear, deltas)
+        return ForwardResult(new_kv, lg, cache)
 
     def _text_config(self) -> Any:
         cfg = self.model.config

@@ -2,20 +2,21 @@
 
 Compression runs after relocation, on the assembled window plus the prompt, never on a stored canonical
 (merged or evicted keys would no longer be position-free). A policy is one dataclass with one method to
-override (``compress``); it declares the attention statistics it needs (``needs``), and may edit the
-cache after each decode step (``after_step``).
+override (``compress``); it declares the attention statistics it needs (``stats``, read by the engine),
+and may name cache rows to drop after each decode step (``after_step``). A policy sees tensors and counts
+only: the engine runs the model (``Engine.prefill_with_stats``, ``decode_on``, ``score_on``).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from kamera_engine import KV, InvalidInputError
+from kamera_engine.compressed import AttentionStatsSpec, StepHook
 
 
 @dataclass(slots=True)
@@ -41,8 +42,9 @@ class CompressionPolicy:
     """Base class. ``budget``: fraction of the cache's tokens kept (0 < budget <= 1)."""
 
     name: ClassVar[str] = "base"
-    #: "all": attention of every query (a stats pass over the window); "observation": the last queries only
-    needs: ClassVar[str] = "observation"
+    #: whose attention scores the keys: every query (a stats pass over the window), or the prompt's last
+    #: ``observation`` queries (the default)
+    stats: ClassVar[AttentionStatsSpec] = AttentionStatsSpec()
     budget: float = 0.2
     observation: int = 32
 
@@ -60,7 +62,7 @@ class CompressionPolicy:
     def protected(self, n_tokens: int, n_prompt: int) -> tuple[int, str]:
         """How many of ``n_tokens`` (the window and a prompt of ``n_prompt``) this policy always keeps, and
         which: the first and last token (statistics over every query), or the prompt's last queries."""
-        if self.needs == "all":
+        if self.stats.every_query:
             return min(2, n_tokens), "the first and last token"
         r = min(self.observation, n_prompt)
         return r, f"the prompt's last {r} tokens"
@@ -78,8 +80,9 @@ class CompressionPolicy:
     def compress(self, inp: CompressionInput) -> KV:
         raise NotImplementedError
 
-    def after_step(self, compressed_len: int, full_len: int) -> Callable[[object, int], None] | None:
-        """A hook run after each decode step (cache, tokens generated so far); None for no eviction."""
+    def after_step(self, compressed_len: int, full_len: int) -> StepHook | None:
+        """A hook run after each decode step: (tokens in the cache, tokens generated so far) -> the cache
+        rows to drop; None for no eviction."""
         return None
 
 

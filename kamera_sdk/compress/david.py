@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kamera_engine import KV
+from kamera_engine.compressed import AttentionStatsSpec
 
 from .base import CompressionInput, CompressionPolicy, gather_tokens, register_compressor
 
@@ -27,7 +28,7 @@ from .base import CompressionInput, CompressionPolicy, gather_tokens, register_c
 @dataclass
 class DAVID(CompressionPolicy):
     name = "david"
-    needs = "observation"
+    stats = AttentionStatsSpec()  # the prompt's last ``observation`` queries
     pool_kernel: int = 5
     theta_threshold: float = 0.3
 

@@ -12,12 +12,12 @@ Merged keys average vectors rotated at different positions; the paper does not a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kamera_engine import KV
+from kamera_engine.compressed import AttentionStatsSpec, StepHook
 
 from .base import CompressionInput, CompressionPolicy, register_compressor
 
@@ -26,7 +26,7 @@ from .base import CompressionInput, CompressionPolicy, register_compressor
 @dataclass
 class ElasticCache(CompressionPolicy):
     name = "elastic"
-    needs = "all"
+    stats = AttentionStatsSpec(every_query=True)
     fixed_point_offset: int = 25
 
     def anchors(self, importance: torch.Tensor, keep: int) -> torch.Tensor:
@@ -60,16 +60,11 @@ class ElasticCache(CompressionPolicy):
             values[layer] = v_sum / counts[:, None, None]
         return KV(keys, values, None)
 
-    def after_step(self, compressed_len: int, full_len: int) -> Callable[[object, int], None] | None:
+    def after_step(self, compressed_len: int, full_len: int) -> StepHook | None:
         fixed = max(1, compressed_len - self.fixed_point_offset)
 
-        def evict(cache: object, generated: int) -> None:
-            limit = self.kept(full_len + generated)
-            for layer in cache.layers:  # type: ignore[attr-defined]
-                if layer.keys.shape[-2] > limit:
-                    keep = torch.ones(layer.keys.shape[-2], dtype=torch.bool)
-                    keep[fixed] = False
-                    layer.keys = layer.keys[:, :, keep]
-                    layer.values = layer.values[:, :, keep]
+        def evict(cached: int, generated: int) -> list[int]:
+            """Over the budget ratio: drop the entry at the fixed point (later entries move up one)."""
+            return [fixed] if cached > self.kept(full_len + generated) else []
 
         return evict

@@ -1,5 +1,6 @@
-"""Prefill the prompt over an assembled window, gather the statistics a compression policy needs,
-compress, then decode (or score a continuation) on the compressed cache."""
+"""Prefill the prompt over an assembled window, gather the statistics a compression policy declares,
+compress, then decode (or score a continuation) on the compressed KV. The engine runs the model; this
+module only hands tensors between it and the policy."""
 
 from __future__ import annotations
 
@@ -9,19 +10,16 @@ from dataclasses import dataclass
 import torch
 
 from kamera_engine import KV, Engine, SamplingParams
-from kamera_engine.adapters.base import capture_queries
-from kamera_engine.attention_stats import attention_probs_sum
-from kamera_engine.decode import decode_tokens
-from kamera_engine.kv import Past, past_parts, to_cache
+from kamera_engine.kv import Past
 
 from .base import CompressionInput, CompressionPolicy
 
 
 @dataclass(slots=True)
 class Compressed:
-    """A compressed cache ready for decoding, and what it cost."""
+    """A compressed KV ready for decoding, and what it cost."""
 
-    cache: object  # transformers DynamicCache over the compressed KV
+    kv: KV  # the compressed cache (window + prompt), (L, K, H, D)
     first_logits: torch.Tensor  # next-token logits after the prompt (computed with the full cache)
     next_position: int
     full_tokens: int
@@ -40,78 +38,43 @@ def prefill_compressed(
 ) -> Compressed:
     """``past``: the window (anchor + chunks; one KV or its parts) at positions 0..N-1; ``window_ids`` its N
     tokens."""
-    parts = past_parts(past)
-    start = sum(len(p) for p in parts)
-    policy.check(start + len(prompt_ids), len(prompt_ids))  # before any forward
-    with capture_queries(engine.model) as prompt_q:
-        res = engine.forward(prompt_ids, parts, start, logits="last")
-    full = KV.cat([*parts, res.kv.to("cpu")])
+    policy.check(len(window_ids) + len(prompt_ids), len(prompt_ids))  # before any forward
+    pre = engine.prefill_with_stats(past, window_ids, prompt_ids, policy.stats, policy.observation)
+    full = pre.kv
     n_tok = len(full)
-    n_prompt = len(prompt_ids)
-    stats_tokens = 0
-    if policy.needs == "all":
-        with capture_queries(engine.model) as window_q:
-            engine.forward(list(window_ids), None, 0, logits="none")
-        stats_tokens = len(window_ids)
-        queries = [torch.cat([w[0], p[0]], dim=1).cpu() for w, p in zip(window_q, prompt_q, strict=True)]
-        q_pos = torch.arange(n_tok)
-    else:
-        r = min(policy.observation, n_prompt)
-        queries = [p[0, :, -r:].cpu() for p in prompt_q]
-        q_pos = torch.arange(n_tok - r, n_tok)
-    scores = torch.stack(
-        [attention_probs_sum(q, full.keys[layer], q_pos) for layer, q in enumerate(queries)]
-    )  # (L, H, T)
     protected = torch.zeros(n_tok, dtype=torch.bool)
-    if policy.needs == "all":
+    if policy.stats.every_query:
         protected[[0, -1]] = True
     else:
-        protected[-len(q_pos) :] = True
+        protected[pre.query_positions] = True
     vis = torch.zeros(n_tok, dtype=torch.bool)
     if vision is not None:
         vis[: len(vision)] = vision
-    inp = CompressionInput(full, scores, vis, protected, len(q_pos), n_prompt)
+    inp = CompressionInput(full, pre.scores, vis, protected, len(pre.query_positions), len(prompt_ids))
     compressed = policy.compress(inp)
-    cache = to_cache(compressed.to(engine.device), engine.model.config)
     return Compressed(
-        cache,
-        res.logits[-1],
-        start + n_prompt,
+        compressed,
+        pre.logits,
+        pre.next_position,
         n_tok,
         len(compressed),
         compressed.nbytes / full.nbytes,
-        stats_tokens,
+        pre.stats_tokens,
     )
 
 
 def decode_compressed(
     engine: Engine, c: Compressed, policy: CompressionPolicy, params: SamplingParams
 ) -> Iterator[int]:
-    if not params.eos_token_ids:
-        params.eos_token_ids = engine.eos_token_ids
+    """Token ids decoded on the compressed KV, with the policy's decode-time eviction."""
     hook = policy.after_step(c.kept_tokens, c.full_tokens)
-    return decode_tokens(engine.model, c.cache, c.first_logits, c.next_position, params, after_step=hook)
+    return engine.decode_on(c.kv, c.first_logits, c.next_position, params, hook)
 
 
-@torch.inference_mode()
 def score_continuation(
     engine: Engine, c: Compressed, policy: CompressionPolicy, continuation: Sequence[int]
 ) -> list[torch.Tensor]:
-    """Teacher-forced next-token log-probs along ``continuation`` on the compressed cache (with the
+    """Teacher-forced next-token log-probs along ``continuation`` on the compressed KV (with the
     policy's decode-time eviction); the first is the prompt's own next-token distribution."""
     hook = policy.after_step(c.kept_tokens, c.full_tokens)
-    out = [torch.log_softmax(c.first_logits.float(), -1).cpu()]
-    pos = c.next_position
-    device = engine.device
-    for i, tok in enumerate(continuation[:-1]):
-        res = engine.model(
-            input_ids=torch.tensor([[tok]], device=device),
-            position_ids=torch.tensor([[pos]], device=device),
-            past_key_values=c.cache,
-            use_cache=True,
-        )
-        pos += 1
-        if hook is not None:
-            hook(c.cache, i + 1)
-        out.append(torch.log_softmax(res.logits[0, -1].float(), -1).cpu())
-    return out
+    return engine.score_on(c.kv, c.first_logits, c.next_position, continuation, hook)

@@ -7,6 +7,8 @@ import torch
 
 from kamera_engine import Engine, InvalidInputError, SamplingParams
 from kamera_engine.decode import TextStream, pick_token
+from kamera_engine.kv import KV, drop_tokens, to_cache
+from tests.conftest import ANCHOR, random_ids, tiny_engine
 
 
 class _CharTokenizer:
@@ -131,3 +133,54 @@ def test_generate_checks_sampling_before_anything_else() -> None:
         with pytest.raises(InvalidInputError, match="max_new_tokens must be an int"):
             e.generate_ids(e.anchor_kv, [5, 6], len(ANCHOR), SamplingParams(max_new_tokens=bad))  # type: ignore[arg-type]
     assert e.counters.forwards == 1  # the anchor's own forward only: nothing ran for the refused calls
+
+
+def test_the_step_hook_sees_counts_and_its_rows_are_dropped() -> None:
+    """After each step the hook gets (tokens cached, tokens generated); the rows it names leave every
+    layer before the next step, which then decodes as over the cache without them."""
+    engine = tiny_engine("llama", seed=1)
+    res = engine.forward(random_ids(10, seed=5), engine.anchor_kv, len(ANCHOR), logits="last")
+    kv = KV.cat([engine.anchor_kv, res.kv.to("cpu")])
+    start = len(kv)
+    params = SamplingParams(max_new_tokens=5)
+    seen: list[tuple[int, int]] = []
+
+    def keep_all(cached: int, generated: int) -> list[int]:
+        seen.append((cached, generated))
+        return []
+
+    plain = list(engine.decode_on(kv, res.logits[-1], start, params))
+    assert list(engine.decode_on(kv, res.logits[-1], start, params, keep_all)) == plain
+    assert seen == [(start + i, i) for i in range(1, 5)]  # no forward after the last token
+
+    seen.clear()
+
+    def drop_third(cached: int, generated: int) -> list[int]:
+        seen.append((cached, generated))
+        return [3]
+
+    list(engine.decode_on(kv, res.logits[-1], start, params, drop_third))
+    assert seen == [(start + 1, i) for i in range(1, 5)]  # one row in, one row out, every step
+    # t0 fed, then row 3 dropped: t1's logits are those over the cache (window + t0) without row 3
+    t0, t1 = plain[0], plain[1]
+    got = engine.score_on(kv, res.logits[-1], start, [t0, t1, 0], drop_third)[2]
+    with_t0 = KV.cat([kv, engine.forward([t0], kv, start, logits="none").kv.to("cpu")])
+    kept = KV.cat([with_t0.slice(0, 3), with_t0.slice(4, len(with_t0))])
+    ref = torch.log_softmax(engine.forward([t1], kept, start + 1, logits="last").logits[-1], -1)
+    assert torch.allclose(got, ref, atol=1e-5)
+    kept_all = torch.log_softmax(engine.forward([t1], with_t0, start + 1, logits="last").logits[-1], -1)
+    assert not torch.allclose(got, kept_all, atol=1e-5)  # the drop made a difference
+
+
+def test_drop_tokens_refuses_rows_outside_the_cache_and_leaves_it_as_it_was() -> None:
+    engine = tiny_engine("llama")
+    kv = engine.anchor_kv
+    cache = to_cache(kv, engine.model.config)
+    before = [layer.keys.clone() for layer in cache.layers]
+    with pytest.raises(InvalidInputError, match="cannot drop cache rows"):
+        drop_tokens(cache, [0, len(kv)])
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, cache.layers, strict=True))
+    drop_tokens(cache, [1])
+    got = KV.from_cache(cache, 0, len(kv) - 1, None)
+    ref = KV.cat([kv.slice(0, 1), kv.slice(2, len(kv))])
+    assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)

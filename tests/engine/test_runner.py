@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
-from kamera_engine import KV, InvalidInputError, SamplingParams
+from kamera_engine import KV, InvalidInputError, SamplingParams, UnsupportedModelError
 from kamera_engine.kv import to_cache
+from kamera_engine.runner import cache_keyword, call_with_cache
 from tests.conftest import ANCHOR, TINY_COMMON, random_ids, tiny_engine
 
 
@@ -140,3 +146,59 @@ def test_context_length_reads_the_config_and_its_rope_scaling() -> None:
         "rope_theta": 1e4,
     }
     assert engine(max_position_embeddings=8192, rope_parameters=llama3).context_length == 8192
+
+
+def _taking(keyword: str | None) -> torch.nn.Module:
+    params = f", {keyword}=None" if keyword else ""
+    body = f"{{'x': x, '{keyword}': {keyword}}}" if keyword else "{'x': x}"
+    ns: dict[str, object] = {}
+    exec(f"def forward(self, x{params}):\n    return {body}", ns)  # a distinct signature per class
+    cls = type(f"Takes_{keyword}", (torch.nn.Module,), {"forward": ns["forward"]})
+    return cls()
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values", "layer_past"])
+def test_the_cache_goes_under_the_name_the_forward_takes(keyword: str) -> None:
+    module = _taking(keyword)
+    assert cache_keyword(type(module)) == keyword
+    assert call_with_cache(module, "C", 1) == {"x": 1, keyword: "C"}
+
+
+def test_a_forward_without_a_cache_argument_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="takes no cache argument"):
+        call_with_cache(_taking(None), "C", 1)
+
+
+def test_the_installed_transformers_gets_its_current_name() -> None:
+    """``cache`` from 5.24 on (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    engine = tiny_engine("llama")
+    current = Version(transformers.__version__) >= Version("5.24")
+    assert cache_keyword(type(engine.model)) == ("cache" if current else "past_key_values")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_no_forward_warns_about_a_deprecated_cache_argument(family: str) -> None:
+    """Prefill, decode, compressed scoring and layer-by-layer recompute with every warning an error, and
+    nothing logged about ``past_key_values`` by transformers."""
+    from kamera_engine.compressed import AttentionStatsSpec
+    from kamera_engine.selective import recompute_tokens
+
+    engine = tiny_engine(family)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ids = random_ids(6, seed=4)
+            res = engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="last")
+            past = KV.cat([engine.anchor_kv, res.kv.to("cpu")])
+            list(engine.generate_ids(past, [7, 8], len(past), SamplingParams(max_new_tokens=3)))
+            pre = engine.prefill_with_stats(past, ANCHOR + ids, [7, 8], AttentionStatsSpec(), 2)
+            engine.score_on(pre.kv, pre.logits, pre.next_position, [9, 10, 11])
+            recompute_tokens(engine, past, ANCHOR + ids, torch.tensor([len(ANCHOR) + 1]))
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not [r for r in records if "past_key_values" in r.getMessage() or "deprecated" in r.getMessage()]

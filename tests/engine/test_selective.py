@@ -9,6 +9,7 @@ import transformers as T
 
 from kamera_engine import KV, Engine, InvalidInputError
 from kamera_engine.kv import to_cache
+from kamera_engine.runner import call_with_cache
 from kamera_engine.selective import reprefill_from_layer
 from tests.conftest import ANCHOR, TINY_COMMON, random_ids
 
@@ -45,10 +46,11 @@ def _reference(e: Engine, kv_a: KV, b: list[int], b0: int, k: int) -> KV:
     """B's K/V from the model's own forward over anchor + A, with layer ``k``'s input replaced by the hidden
     state B has there in its canonical forward (B right after the anchor)."""
     a = len(ANCHOR)
-    canon = e.model(
+    canon = call_with_cache(
+        e.model,
+        to_cache(e.anchor_kv, e.model.config),
         input_ids=torch.tensor([b]),
         position_ids=torch.arange(a, a + len(b))[None],
-        past_key_values=to_cache(e.anchor_kv, e.model.config),
         output_hidden_states=True,
     )
     hidden_k = canon.hidden_states[k]  # (1, T, hidden): the input of layer k
@@ -57,15 +59,12 @@ def _reference(e: Engine, kv_a: KV, b: list[int], b0: int, k: int) -> KV:
         return (hidden_k, *args[1:]), kwargs
 
     handle = e.adapter.layers(e.model)[k].register_forward_pre_hook(swap, with_kwargs=True)
+    cache = to_cache([e.anchor_kv, kv_a], e.model.config)
     try:
-        out = e.model(
-            input_ids=torch.tensor([b]),
-            position_ids=torch.arange(b0, b0 + len(b))[None],
-            past_key_values=to_cache([e.anchor_kv, kv_a], e.model.config),
-        )
+        call_with_cache(e.model, cache, input_ids=torch.tensor([b]), position_ids=torch.arange(b0, b0 + len(b))[None])
     finally:
         handle.remove()
-    return KV.from_cache(out.past_key_values, b0, b0 + len(b), torch.arange(b0, b0 + len(b)))
+    return KV.from_cache(cache, b0, b0 + len(b), torch.arange(b0, b0 + len(b)))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
