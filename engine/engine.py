@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -74,6 +74,10 @@ def _swap_patch(patch: Patch) -> Patch:
 
 class Engine:
     """A model plus everything needed to prefill, relocate, patch and decode its KV."""
+
+    #: its forwards are plain token forwards the scheduler can pack with others' (``scheduler.py``); an
+    #: engine whose forwards take inputs of their own kind (vision rows, M-RoPE positions) says False
+    batchable: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -220,9 +220,7 @@ class Scheduler:
         kv_budget_bytes: int | None = None,
         max_waiting: int = 256,
     ) -> None:
-        from .engine import Engine as _Engine
-
-        if type(engine)._run is not _Engine._run:
+        if not engine.batchable:
             raise InvalidInputError(f"{type(engine).__name__} runs forwards of its own kind; it cannot be batched")
         if step_tokens < 1 or max_rows < 1 or max_waiting < 0:
             raise InvalidInputError("step_tokens and max_rows must be >= 1, max_waiting >= 0")

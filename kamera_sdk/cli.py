@@ -5,22 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.table import Table
-
-from .console import err, out, write_json
+from .console import err, print_result
 from .store_cli import add_store_command
-
-
-def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
-    if isinstance(data, dict):
-        for k, v in data.items():
-            rows += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(data, float):
-        rows.append((prefix, f"{data:.6g}"))
-    else:
-        rows.append((prefix, str(data)))
-    return rows
 
 
 def _port(value: str) -> int:
@@ -28,19 +14,6 @@ def _port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
     return port
-
-
-def print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
-    """JSON on stdout with ``--json``; a readable table otherwise."""
-    if as_json:
-        write_json(result)
-        return
-    table = Table(title=title)
-    table.add_column("key")
-    table.add_column("value", justify="right")
-    for k, v in _flatten(result):
-        table.add_row(k, v)
-    out.print(table)
 
 
 def _engine(args: argparse.Namespace):

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 T = TypeVar("T")
 
@@ -41,3 +42,28 @@ def finite(data: Any) -> Any:
 def write_json(data: Any) -> None:
     """One strict JSON document on stdout (what ``--json`` promises)."""
     sys.stdout.write(json.dumps(finite(data), indent=2, default=str, allow_nan=False) + "\n")
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            rows += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(data, float):
+        rows.append((prefix, f"{data:.6g}"))
+    else:
+        rows.append((prefix, str(data)))
+    return rows
+
+
+def print_result(result: dict[str, Any], as_json: bool, title: str) -> None:
+    """JSON on stdout with ``--json``; a readable table otherwise."""
+    if as_json:
+        write_json(result)
+        return
+    table = Table(title=title)
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    for k, v in _flatten(result):
+        table.add_row(k, v)
+    out.print(table)

@@ -15,6 +15,7 @@ from typing import Any
 
 from kamera_engine.errors import InvalidInputError
 
+from .console import print_result
 from .store import DiskBackend, default_store_path
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
@@ -100,7 +101,6 @@ _ACTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .cli import print_result
 
     result = _ACTIONS[args.store_action](args)
     print_result(result, args.json, f"kamera store {args.store_action}")

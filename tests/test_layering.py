@@ -59,7 +59,9 @@ KNOWN_CYCLES: list[frozenset[str]] = [
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
-    return grimp.build_graph(*OPTIONS.session_options["root_packages"], cache_dir=None)
+    return grimp.build_graph(
+        *OPTIONS.session_options["root_packages"], cache_dir=None, exclude_type_checking_imports=True
+    )  # imports under TYPE_CHECKING never run
 
 
 def _contract(options: dict[str, Any]) -> Contract:

@@ -21,15 +21,19 @@ Language features are those of Triton 3.x (checked on 3.6 and 3.9; the CPU inter
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import InvalidInputError
 from ..kv import KV
-from ..operator import Patch
 from ..rope import RopeSpec
 from .tables import position_table
+
+if TYPE_CHECKING:
+    from ..operator import Patch
 
 BLOCK_T = 16  # rows per program
 BLOCK_F = 64  # rotary pairs (and pass-through features) per program

@@ -67,6 +67,8 @@ class MediaEntry:
 class VisionEngine(Engine):
     """An :class:`Engine` over a transformers VLM (see the module docstring)."""
 
+    batchable = False  # vision rows and M-RoPE positions go through ``_run``, not a packed text forward
+
     def __init__(
         self,
         model: nn.Module,

@@ -8,7 +8,7 @@ import torch
 from kamera_engine import Engine, InvalidInputError
 from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward
 from kamera_engine.kv import KV
-from kamera_engine.runner import run_forward
+from kamera_engine.runner import call_with_cache, run_forward
 from tests.conftest import random_ids
 
 #: (past tokens, new tokens) per row: an empty past, decode steps, prompts longer and shorter than pasts
@@ -54,10 +54,11 @@ def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
     for _ in range(3):
         outs = batched_forward(tiny.model, [Row.at(c, [t], q) for c, t, q in zip(caches, tokens, pos, strict=True)])
         for i, out in enumerate(outs):
-            ref = tiny.model(
+            ref = call_with_cache(
+                tiny.model,
+                single_caches[i],
                 input_ids=torch.tensor([[tokens[i]]]),
                 position_ids=torch.tensor([[pos[i]]]),
-                past_key_values=single_caches[i],
                 use_cache=True,
             ).logits[0, -1]
             assert out is not None and (out - ref).abs().max() < TOL

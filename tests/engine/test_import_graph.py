@@ -2,7 +2,9 @@
 that imports it back (directly or through others). Read from the source with the standard library only.
 
 A package's own ``__init__`` running before its submodules is not counted as an edge (every package would be a
-cycle); an explicit ``import kamera_engine`` / ``from kamera_engine import X`` is.
+cycle); an explicit ``import kamera_engine`` / ``from kamera_engine import X`` is. Imports under
+``if TYPE_CHECKING:`` never run, so they are not edges (annotations may name a class of a module that imports
+this one).
 """
 
 from __future__ import annotations
@@ -29,7 +31,17 @@ def imported(name: str, file: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of the package that module ``name`` imports anywhere in its body (functions included)."""
     package = name if file.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+    tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -45,7 +45,7 @@ def test_help_explains_every_subcommand() -> None:
 
 
 def test_json_output_is_strict_json(capsys) -> None:
-    from kamera_sdk.cli import print_result
+    from kamera_sdk.console import print_result
 
     print_result({"kl_mean": float("nan"), "speedup": float("inf"), "rows": [1.5, float("-inf")]}, True, "t")
 
