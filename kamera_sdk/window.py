@@ -81,7 +81,8 @@ class DisposabilityResult(BaseModel):
 class ContextWindow:
     """A window of chunks served by a reuse policy over one engine.
 
-    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind`` (and any registered policy).
+    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind``, ``cacheblend``, ``mpic`` (the
+    registered policies, ``POLICIES``; a test keeps this list complete), or a ``ReusePolicy`` instance.
     ``rank``: patch rank m (default 32). ``budget_tokens``: slide the oldest chunks out when the window
     exceeds it (a chunk larger than the whole budget is refused). Or pass both inside ``config``.
     ``store``: where canonicals and patches persist: None (this process only), a directory path,

@@ -156,3 +156,8 @@ def test_patch_kinds_keep_their_stored_keys(engine, tmp_path: Path) -> None:
     assert StoredPatch(stored.patch, (), kind="fresh").kind is PatchKind.FRESH  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         StoredPatch(stored.patch, (), kind="sideways")  # type: ignore[arg-type]
+
+
+def test_the_window_docstring_names_every_registered_policy() -> None:
+    doc = ContextWindow.__doc__ or ""
+    assert [name for name in POLICIES if f"``{name}``" not in doc] == []
