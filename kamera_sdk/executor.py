@@ -80,10 +80,13 @@ class Executor:
         self.orphans: list[tuple[Chunk, KV, PendingPatch]] = []
 
     def canonical(self, chunk: Chunk) -> KV:
-        """The chunk's canonical: from the table, else from the store, else one forward (then stored)."""
+        """The chunk's canonical: from the table, else from the store (``canonicals_reused``), else one
+        forward (``canonicals_computed``; then stored)."""
         if chunk.canonical is None:
             kv = self.persistence.load_canonical(chunk) if self.persistence is not None else None
-            if kv is None:
+            if kv is not None:
+                self.stats.canonicals_reused += 1  # loaded, not computed
+            else:
                 kv = self._compile(chunk)
                 self.stats.canonicals_computed += 1
                 self.stats.canonical_bytes += kv.nbytes

@@ -117,12 +117,12 @@ class ContextWindow:
         self._table = ChunkTable()  # shared by every branch
         self._open_branch(resolved, WindowState())
 
-    def _open_branch(self, policy: ReusePolicy, state: WindowState) -> None:
+    def _open_branch(self, policy: ReusePolicy, state: WindowState, *, forked: bool = False) -> None:
         """Start this object as a branch with ``state``: its own stats, meter, executor (and its queue of
         set-aside patches) and store pins; everything else is shared with the window it came from."""
         self.policy = policy
         self._state = state
-        self._stats = WindowStats(policy=policy.name)
+        self._stats = WindowStats(policy=policy.name, forked=forked, started_at_step=state.step)
         self._meter = EngineMeter(self.engine, self._stats)
         self._persistence = None if self.store is None else Persistence(self.store, self.engine, self._stats)
         self._executor = Executor(self.engine, self._table, self.config, self._meter, self._persistence)
@@ -373,7 +373,7 @@ class ContextWindow:
         """Copy-on-write branch: canonicals, patches and current slot KV are shared, not copied; each
         branch edits only its own slot list from here on."""
         child = copy.copy(self)  # the shared parts: engine, config, compressor, store, content table
-        child._open_branch(self.policy.fork(), self._state.fork())
+        child._open_branch(self.policy.fork(), self._state.fork(), forked=True)
         self._stats.time("fork", 0.0)
         return child
 
@@ -386,12 +386,14 @@ class ContextWindow:
 
     def assemble(self) -> KV:
         """Materialise the window: the anchor and every chunk's KV, placed."""
+        self._new_use()
         return self._materialise()[1].assembled
 
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
         ids = self._prompt_ids(prompt)
         self._check_length(ids)
+        self._new_use()
         plan, execution = self._materialise(ids)
         t0 = time.perf_counter()
         memo = self._prefilled(ids)
@@ -456,11 +458,12 @@ class ContextWindow:
         if self.engine.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
         self._check_compression(ids)
+        self._new_use()
         plan, execution = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
         if self.compressor is not None:
-            tokens = decode_compressed(self.engine, self.compress_window(ids), self.compressor, params)
+            tokens = decode_compressed(self.engine, self._compress(ids), self.compressor, params)
         else:
             tokens = self._answer_ids(ids, plan, execution, memo, params)
         pieces = self.engine.stream(tokens, params)
@@ -475,6 +478,11 @@ class ContextWindow:
         ids = self._prompt_ids(prompt)
         self._check_length(ids)
         self._check_compression(ids)
+        self._new_use()
+        return self._compress(ids)
+
+    def _compress(self, ids: list[int]) -> Compressed:
+        assert self.compressor is not None
         plan, execution = self._materialise()
         window_ids = self._executor.window_ids(plan)
         vision_mask = torch.tensor(
@@ -502,7 +510,7 @@ class ContextWindow:
         params = SamplingParams(max_new_tokens=max_new_tokens)
         params.validate()
         self._check_length(ids, max_new_tokens)
-        plan, execution = self._materialise(ids)
+        plan, execution = self._materialise(ids)  # over the KV the window holds, for every policy
         key = (tuple(ids), max_new_tokens)
         if key not in self._answers:
             t0 = time.perf_counter()
@@ -643,6 +651,13 @@ class ContextWindow:
         # (prompt ids, prefill) of the last prompt that rode in the window's trailing forward
         self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
         self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}  # greedy answers (is_disposable)
+
+    def _new_use(self) -> None:
+        """An answer starts: a policy that does not reuse the window assembled at the last use
+        (``recompute``) assembles it again, as it says, even when nothing changed. ``is_disposable``
+        compares answers over the KV the window holds, so it is not a new use."""
+        if not self.policy.reuses_assembly:
+            self._forget_uses()
 
     def _changed(self, op: str, t0: float | None = None) -> None:
         self._state.step += 1

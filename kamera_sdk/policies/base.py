@@ -59,6 +59,9 @@ class ReusePolicy:
     serves_images: ClassVar[bool] = True
     #: under ``reorder_patch="orbit"``, a reorder forms the orbit patches this policy's plans reuse
     forms_orbit_patches: ClassVar[bool] = False
+    #: a use of an unchanged window reuses the window assembled at the last use (``recompute`` does not:
+    #: it re-prefills the whole window on every use, the baseline it stands for)
+    reuses_assembly: ClassVar[bool] = True
 
     def plan(self, view: WindowView) -> Plan:
         raise NotImplementedError

@@ -161,3 +161,122 @@ def test_patch_kinds_keep_their_stored_keys(engine, tmp_path: Path) -> None:
 def test_the_window_docstring_names_every_registered_policy() -> None:
     doc = ContextWindow.__doc__ or ""
     assert [name for name in POLICIES if f"``{name}``" not in doc] == []
+
+
+# --- every counter pinned on small scripted sessions (tiny llama, 7-token chunks, 3-token prompt) ---------
+
+
+def _counters(st: WindowStats) -> dict:
+    out = {n: getattr(st, n) for n in (*WindowStats.model_fields, *WindowStats.model_computed_fields)}
+    for name in ("timings", "decisions", "work", "kv_bytes_fraction", "canonical_bytes", "patch_bytes"):
+        out.pop(name)
+    return out
+
+
+def test_every_counter_on_a_scripted_kamera_session(engine, tmp_path: Path) -> None:
+    win = ContextWindow(engine, store=tmp_path)
+    a, b, c = (win.add(random_ids(7, seed=750 + i)) for i in range(3))  # 3 canonicals computed, stored
+    win.next_token_logprobs(PROMPT)  # a lead; b, c one forward with the prompt riding in it
+    win.next_token_logprobs([12, 13])  # unchanged window: the same assembly, the prompt's own forward
+    win.slide(1)  # a leaves
+    win.next_token_logprobs(PROMPT)  # b leads (its pending patch set aside), c a survivor
+    win.recall(a)  # the set-aside patch of b is formed; c absorbed a: marked stale
+    win.next_token_logprobs(PROMPT)  # c's own pending patch formed first; c (cascade) and a (fresh) one forward
+    assert win.flush() == 2  # the patches of that forward: c exact, a fresh
+    st = win.stats()
+    assert st.work == {
+        Work.INGEST: WorkCount(forwards=3, tokens=21),
+        Work.CONTEXT: WorkCount(forwards=2, tokens=28),
+        Work.PROMPT: WorkCount(forwards=2, tokens=3 + 2 + 3 + 3),
+    }
+    assert _counters(st) == {
+        "policy": "kamera",
+        "forked": False,
+        "started_at_step": 0,
+        "served": {Source.LEAD: 3, Source.FORWARD: 4, Source.SURVIVOR: 1},
+        "formed": {PatchKind.EXACT: 3, PatchKind.FRESH: 1},
+        "prompt_tokens": 11,
+        "canonicals_computed": 3,
+        "canonicals_reused": 0,
+        "selective_tokens": 0,
+        "envelope_reuse": 0,
+        "envelope_rebuild": 0,
+        "cascade_marked": 1,
+        "cascade_rematerialised": 1,
+        "store_loads": 0,
+        "store_load_failures": 0,
+        "window_kv_bytes": win.assemble().nbytes,
+        "window_tokens": len(engine.anchor_ids) + 21,
+        "vision_tower_runs": 0,
+        "forwards": 7,
+        "tokens_prefilled": 28,
+        "ingest_tokens": 21,
+        "compression_stats_tokens": 0,
+        "patches_formed": 4,
+        "orbit_patches_formed": 0,
+        "fresh_patches_formed": 1,
+        "patches_reused": 0,
+        "survivors_rotated": 1,
+        "kept": 0,
+        "blind_served": 0,
+        "prefix_hits": 0,
+    }
+    child = win.fork()
+    fork = child.stats()
+    assert (fork.forked, fork.started_at_step, fork.forwards, fork.served) == (True, 5, 0, {})  # 5 operations
+    win.close()
+    # a new window on the store: a's canonical and its fresh patch loaded, nothing computed
+    again = ContextWindow(engine, store=tmp_path)
+    again.add(random_ids(7, seed=750))
+    st = again.stats()
+    assert (st.canonicals_reused, st.canonicals_computed, st.store_loads, st.forwards) == (1, 0, 2, 0)
+    assert {b, c} <= set(win.chunks)
+
+
+def test_recompute_prefills_the_whole_window_on_every_use(engine) -> None:
+    win = ContextWindow(engine, policy="recompute")
+    for i in range(2):
+        win.add(random_ids(7, seed=760 + i))
+    win.next_token_logprobs(PROMPT)
+    win.next_token_logprobs(PROMPT)  # nothing changed: prefilled again all the same
+    win.next_token_logprobs([12, 13])
+    st = win.stats()
+    assert (st.tokens_prefilled, st.forwards, st.prompt_tokens, st.served) == (42, 3, 8, {Source.FORWARD: 6})
+    assert st.work[Work.PROMPT] == WorkCount(forwards=0, tokens=8)  # every prompt rode in the window's forward
+
+
+def test_kept_patched_envelope_and_orbit_counters(engine) -> None:
+    win = ContextWindow(engine, config=WindowConfig(reorder_patch="orbit"))
+    a, b, c = (win.add(random_ids(7, seed=770 + i)) for i in range(3))
+    win.next_token_logprobs(PROMPT)
+    d = win.add(random_ids(7, seed=773))
+    win.next_token_logprobs(PROMPT)  # a lead, b and c kept, d forward
+    win.reorder([a, c, b, d])  # orbit patches for c, b, d over every order of their predecessor sets
+    win.next_token_logprobs(PROMPT)  # a lead, c, b, d from their orbit patches
+    st = win.stats()
+    assert st.served == {Source.LEAD: 3, Source.FORWARD: 3, Source.KEEP: 2, Source.PATCH: 3}
+    assert (st.kept, st.patches_reused, st.orbit_patches_formed) == (2, 3, 3)
+    # the two uses' forward runs (b + c, then d), then one forward per ordering: c behind {a} (1), b behind
+    # {a, c} (2), d behind {a, b, c} (6)
+    assert st.work[Work.CONTEXT] == WorkCount(forwards=2 + 9, tokens=14 + 7 + 14 + 2 * 21 + 6 * 28)
+    assert (st.envelope_reuse, st.envelope_rebuild) == (0, 0)  # each orbit patch was formed on this very order
+
+
+def test_envelope_counters(engine) -> None:
+    win = ContextWindow(engine)  # reorder_patch="transfer"
+    a, b, c, d = (win.add(random_ids(7, seed=780 + i)) for i in range(4))
+    win.next_token_logprobs(PROMPT)
+    win.reorder([a, c, b, d])
+    win.next_token_logprobs(PROMPT)
+    st = win.stats()
+    # c absorbed b, now behind it: re-prefilled (no envelope verdict); b formed behind (a,), now behind (a, c):
+    # outside the envelope, rebuilt; d formed behind (a, b, c), now (a, c, b): reordered, kept (envelope)
+    assert (st.envelope_reuse, st.envelope_rebuild) == (1, 1)
+    assert st.served == {Source.LEAD: 2, Source.FORWARD: 3 + 2, Source.KEEP: 1}
+
+
+def test_every_counter_is_defined_and_in_the_docs_table() -> None:
+    table = (SDK.parent / "docs" / "window.md").read_text()
+    fields = {**WindowStats.model_fields, **WindowStats.model_computed_fields}
+    assert [n for n, f in fields.items() if not f.description] == []
+    assert [n for n in fields if f"| `{n}` |" not in table] == []
