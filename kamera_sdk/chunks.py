@@ -10,7 +10,9 @@ are immutable once written, so sharing needs no copies.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NewType
 
 from kamera_engine import KV, ChunkNotFoundError, Patch
@@ -29,26 +31,40 @@ def content_id(kind: str, payload: bytes) -> ChunkId:
     return ChunkId(hashlib.blake2b(kind.encode() + b"\0" + payload, digest_size=16).hexdigest())
 
 
+def sequence_digest(parts: Sequence[str]) -> str:
+    """Order-sensitive digest of a sequence of strings (24 hex chars; part of persisted store keys, so it
+    never changes)."""
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
+
+
 def antecedent_signature(antecedent: Antecedent) -> str:
-    """Order-sensitive digest of an antecedent (used in store keys)."""
-    return hashlib.blake2b("|".join(antecedent).encode(), digest_size=12).hexdigest()
+    """Order-sensitive digest of an antecedent (names its patch in store keys and the dependency graph)."""
+    return sequence_digest(antecedent)
+
+
+class PatchKind(StrEnum):
+    """How a stored patch was formed. A ``str`` enum: its value is what store keys and entry metadata
+    hold, so persisted keys read the same as when kinds were plain strings."""
+
+    EXACT = "exact"  # one conditioned forward in this order
+    ORBIT = "orbit"  # averaged over several orderings of the same set
+    FRESH = "fresh"  # formed at recall on the chunk's fixed earlier context
+    REMOVAL = "removal"  # a slide survivor re-conditioned on what remains (``survivors="patch"``)
 
 
 @dataclass(slots=True)
 class StoredPatch:
-    """A patch for one chunk and the antecedent(s) it was formed on.
-
-    ``kind``: ``"exact"`` (one conditioned forward in this order), ``"orbit"`` (averaged over several
-    orderings of the same set), ``"fresh"`` (formed at recall on the chunk's fixed earlier context), or
-    ``"removal"`` (a slide survivor re-conditioned on what remains, ``survivors="patch"``).
-    """
+    """A patch for one chunk, the antecedent(s) it was formed on and how (``kind``)."""
 
     patch: Patch
     antecedent: Antecedent
-    kind: str = "exact"
+    kind: PatchKind = PatchKind.EXACT
     orderings: int = 1
     #: every chunk the conditioned KV had taken in, through its antecedent too (None: the antecedent only)
     absorbed: frozenset[ChunkId] | None = None
+
+    def __post_init__(self) -> None:
+        self.kind = PatchKind(self.kind)  # a plain string names a kind too; an unknown one is a ValueError
 
     @property
     def antecedent_set(self) -> frozenset[ChunkId]:

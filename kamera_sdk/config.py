@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from pydantic import Field
 
+from .chunks import PatchKind
 from .envelope import EnvelopeConfig
 from .options import Options
 
@@ -45,9 +46,10 @@ class WindowConfig(Options):
     envelope: EnvelopeConfig = Field(default_factory=EnvelopeConfig)
     seed: int = 0
 
-    def patch_rank(self, kind: str) -> int:
-        """The rank patches of ``kind`` are formed at (and the least a stored one may have to be reused)."""
-        return self.survivor_rank if kind == "removal" else self.rank
+    def patch_rank(self, kind: PatchKind) -> int:
+        """The rank patches of ``kind`` are formed at (and the least a stored one may
+        have to be reused): removal patches at ``survivor_rank``, the others at ``rank``."""
+        return self.survivor_rank if kind == PatchKind.REMOVAL else self.rank
 
     def patch_layer_indices(self, engine: Engine) -> tuple[int, ...]:
         """The layers this config forms patches on (a stored patch on other layers is not reused)."""

@@ -10,9 +10,13 @@ is a rotation plus at most one rank-m GEMM.
 
 from __future__ import annotations
 
+import itertools
+import logging
+import math
+import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -21,13 +25,16 @@ from kamera_engine import KV, Engine
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
 
-from .chunks import Antecedent, Chunk, ChunkId, ChunkTable, StoredPatch
+from .chunks import Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch
 from .config import WindowConfig
 from .graph import DependencyGraph
+from .metering import EngineMeter
 from .persistence import Persistence
 from .plan import Plan, SlotPlan, Source
 from .slots import PendingPatch, Slot
-from .stats import Decision, WindowStats
+from .stats import Decision, Work
+
+log = logging.getLogger("kamera.window")
 
 
 @dataclass
@@ -51,30 +58,35 @@ _FROM_CANONICAL = frozenset({Source.LEAD, Source.PATCH, Source.BLIND, Source.SEL
 
 
 class Executor:
-    """Carries out plans for one window (shares the engine, the table and the stats)."""
+    """Carries out plans for one window branch: the one place that serves slots, forms their patches
+    and counts that work (into the stats of ``meter``)."""
 
     def __init__(
         self,
         engine: Engine,
         table: ChunkTable,
         config: WindowConfig,
-        stats: WindowStats,
+        meter: EngineMeter,
         persistence: Persistence | None = None,
     ) -> None:
         self.engine = engine
         self.table = table
         self.config = config
-        self.stats = stats
+        self.meter = meter
+        self.stats = meter.stats
         self.persistence = persistence
         #: pending patches whose slot was served another way this time (it led, or was re-prefilled): the
         #: KV they are formed from is kept here until the window forms them, after the answer
         self.orphans: list[tuple[Chunk, KV, PendingPatch]] = []
 
     def canonical(self, chunk: Chunk) -> KV:
-        """The chunk's canonical: from the table, else from the store, else one forward (then stored)."""
+        """The chunk's canonical: from the table, else from the store (``canonicals_reused``), else one
+        forward (``canonicals_computed``; then stored)."""
         if chunk.canonical is None:
             kv = self.persistence.load_canonical(chunk) if self.persistence is not None else None
-            if kv is None:
+            if kv is not None:
+                self.stats.canonicals_reused += 1  # loaded, not computed
+            else:
                 kv = self._compile(chunk)
                 self.stats.canonicals_computed += 1
                 self.stats.canonical_bytes += kv.nbytes
@@ -85,11 +97,14 @@ class Executor:
 
     def _compile(self, chunk: Chunk) -> KV:
         t0 = time.perf_counter()
-        kv = self.engine.canonical(chunk.token_ids)
-        self.stats.forwards += 1
-        self.stats.ingest_tokens += len(chunk)
+        with self.meter.measure(Work.INGEST):
+            kv = self.engine.canonical(chunk.token_ids)
         self.stats.time("canonical", time.perf_counter() - t0)
         return kv
+
+    def window_ids(self, plan: Plan) -> list[int]:
+        """The token ids of the assembled window: the anchor, then every slot's chunk in plan order."""
+        return list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
 
     def run(
         self,
@@ -145,32 +160,24 @@ class Executor:
 
     def _serve(self, sp: SlotPlan, slot: Slot) -> tuple[KV, KV | None]:
         """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot."""
-        e, st = self.engine, self.stats
+        e = self.engine
         if sp.source in (Source.KEEP, Source.SURVIVOR):
             assert slot.kv is not None  # the policy only keeps materialised slots
-            if sp.source is Source.SURVIVOR:
-                st.survivors_rotated += 1
-            else:
-                st.kept += 1
             return e.apply(slot.kv, None, sp.start), slot.kv
         if sp.source is Source.PREFIX:
             assert sp.reuse_kv is not None
-            st.prefix_hits += 1
             return sp.reuse_kv, None
         canonical = self.canonical(sp.chunk)
         if sp.source is Source.PATCH:
             assert sp.patch is not None
-            st.patches_reused += 1
             free = e.reconstruct(canonical, sp.patch.patch)
             return e.apply(free, None, sp.start), free
-        if sp.source is Source.BLIND:
-            st.blind_served += 1
         return e.apply(canonical, None, sp.start), canonical  # LEAD, BLIND, or SELECTIVE before its repair
 
     def _selective(self, plan: Plan, assembled: KV) -> tuple[KV, list[KV]]:
         """Recompute the SELECTIVE slots' chosen tokens in context (CacheBlend / MPIC)."""
         assert plan.recompute is not None
-        ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
+        ids = self.window_ids(plan)
         cand = [sp.start + i for sp in plan.slots if sp.source is Source.SELECTIVE for i in sp.recompute_tokens]
         t0 = time.perf_counter()
         res = recompute_tokens(
@@ -182,10 +189,9 @@ class Executor:
             check_layer=plan.recompute.check_layer,
         )
         self.stats.time("selective", time.perf_counter() - t0)
-        if len(res.selected):
-            self.stats.forwards += 1
+        # the engine's layer-by-layer recompute runs outside its counted forward: one pass when any token is chosen
+        self.meter.add(Work.CONTEXT, 1 if len(res.selected) else 0, len(res.selected))
         self.stats.selective_tokens += len(res.selected)
-        self.stats.tokens_prefilled += len(res.selected)
         placed = [res.kv.slice(sp.start, sp.start + len(sp.chunk)) for sp in plan.slots]
         return res.kv, placed
 
@@ -196,12 +202,12 @@ class Executor:
         assembled so far. Returns each slot's placed KV, and the forward itself when the prompt rode in it."""
         ids = [t for sp in run for t in sp.chunk.token_ids]
         t0 = time.perf_counter()
-        res = self.engine.forward(
-            ids + (prompt or []), parts, run[0].start, logits="none" if prompt is None else "last"
-        )
+        with self.meter.measure(Work.CONTEXT) as work:
+            res = self.engine.forward(
+                ids + (prompt or []), parts, run[0].start, logits="none" if prompt is None else "last"
+            )
+            work.move(Work.PROMPT, len(prompt or []))  # the prompt rode in this forward
         self.stats.time("forward", time.perf_counter() - t0)
-        self.stats.forwards += 1
-        self.stats.tokens_prefilled += len(ids)
         out, at = [], 0
         for sp in run:
             out.append(res.kv.slice(at, at + len(sp.chunk)).clone())
@@ -245,6 +251,7 @@ class Executor:
         """Log the slot's decision and count what it was (before its conditioning is recorded: a stale
         slot is still marked stale here)."""
         st, drifted = self.stats, slot.antecedent not in (None, sp.antecedent)
+        st.count_served(sp.source)
         if sp.source is not Source.KEEP or drifted:  # a plain keep is not news
             st.log(Decision(step=step, chunk=sp.chunk.label(), source=sp.source.value, reason=sp.reason))
         if graph.is_stale(sp.chunk.id) and sp.source in (Source.FORWARD, Source.PATCH):
@@ -264,8 +271,7 @@ class Executor:
         t0 = time.perf_counter()
         stored = self.store_patch(chunk, conditioned, pending.kind, pending.antecedent, absorbed=pending.absorbed)
         pending.stored = stored
-        self.stats.patches_formed += 1
-        self.stats.fresh_patches_formed += pending.kind == "fresh"
+        self.stats.count_formed(pending.kind)
         self.stats.time("patch_form", time.perf_counter() - t0)
         return stored
 
@@ -273,7 +279,7 @@ class Executor:
         self,
         chunk: Chunk,
         conditioned: KV | Sequence[KV],
-        kind: str,
+        kind: PatchKind,
         antecedent: Antecedent,
         *,
         absorbed: frozenset[ChunkId] | None = None,
@@ -295,6 +301,95 @@ class Executor:
             self.persistence.save_patch(chunk, stored)
         self.stats.patch_bytes += patch.nbytes
         return stored
+
+    # --- patches formed off the answer's path ----------------------------------------------------
+    def form_slot_patches(self, slots: list[Slot], which: Sequence[Slot]) -> int:
+        """Form the pending patches of the slots in ``which`` (those that have one and its KV), replacing
+        each in ``slots`` (a window's slot list, edited in place) by the slot without it. Returns how many
+        patches were formed here (a fork sharing a slot may have formed one already)."""
+        formed = 0
+        for i, slot in enumerate(slots):
+            if slot.pending is None or slot.kv is None or not any(slot is s for s in which):
+                continue
+            formed += slot.pending.stored is None
+            self.form_pending(self.table.get(slot.chunk_id), slot.kv, slot.pending)
+            slots[i] = replace(slot, pending=None)
+        return formed
+
+    def form_orphans(self, *, raise_errors: bool = True) -> int:
+        """Form the patches set aside when their slot was served another way (``orphans``). One that fails
+        stays queued (with those behind it); with ``raise_errors=False`` (after a window operation, which
+        has itself succeeded) the failure is logged, not raised. Returns how many were formed."""
+        formed = 0
+        while self.orphans:
+            chunk, kv, pending = self.orphans[0]
+            new = pending.stored is None
+            try:
+                self.form_pending(chunk, kv, pending)
+            except Exception as exc:
+                if raise_errors:
+                    raise
+                log.warning("window: forming a set-aside patch of %s failed (kept for later): %s", chunk.id[:8], exc)
+                return formed
+            self.orphans.pop(0)
+            formed += new
+        return formed
+
+    # --- orbit patches ------------------------------------------------------------------------------
+    def form_orbit_patch(self, chunk: Chunk, preds: Sequence[Chunk]) -> StoredPatch:
+        """Form (and store) an orbit patch for ``chunk`` over orderings of ``preds`` (the chunks in front
+        of it): Delta averaged over orderings (all up to ``orbit_exhaustive_max`` predecessors, a seeded
+        sample beyond), one conditioned forward per ordering (§5)."""
+        by_id = {p.id: p for p in preds}
+        t0 = time.perf_counter()
+        conditioned = []
+        for ordering in self._orderings([p.id for p in preds]):
+            ids = [t for c in ordering for t in by_id[c].token_ids] + chunk.token_ids
+            with self.meter.measure(Work.CONTEXT):
+                res = self.engine.forward(ids, self.engine.anchor_kv, len(self.engine.anchor_ids), logits="none")
+            conditioned.append(res.kv.slice(len(ids) - len(chunk), len(ids)))
+        stored = self.store_patch(chunk, conditioned, PatchKind.ORBIT, tuple(p.id for p in preds))
+        self.stats.count_formed(PatchKind.ORBIT)
+        self.stats.time("orbit_patch", time.perf_counter() - t0)
+        return stored
+
+    def _orderings(self, preds: list[ChunkId]) -> list[tuple[ChunkId, ...]]:
+        cfg = self.config
+        if len(preds) <= cfg.orbit_exhaustive_max or cfg.orbit_samples >= math.factorial(len(preds)):
+            return list(itertools.permutations(preds))
+        rng = random.Random(cfg.seed)
+        seen = {tuple(preds)}
+        out = [tuple(preds)]
+        while len(out) < cfg.orbit_samples:
+            perm = tuple(rng.sample(preds, len(preds)))
+            if perm not in seen:
+                seen.add(perm)
+                out.append(perm)
+        return out
+
+    # --- the window without one slot's conditioning (disposability) -------------------------------
+    def parts_without(self, plan: Plan, execution: Execution, index: int, *, drop: bool) -> tuple[list[KV], int]:
+        """The executed window with slot ``index`` served from its canonical (its conditioning off) or,
+        with ``drop``, left out, every later slot placed where it now sits: one rotation from angle 0 for
+        each. Returns the parts (anchor first) and the position after them."""
+        e = self.engine
+        parts = [e.anchor_kv]
+        pos = plan.anchor_len
+        for i, sp in enumerate(plan.slots):
+            if i == index:
+                if drop:
+                    continue
+                parts.append(e.apply(self.canonical(sp.chunk), None, pos))
+            else:
+                placed, free = execution.placed[i], execution.slots[i].kv
+                if int(placed.positions[0]) == pos:
+                    parts.append(placed)
+                elif free is not None:  # one rotation from angle 0, as every placement
+                    parts.append(e.apply(free, None, pos))
+                else:
+                    parts.append(e.relocate(placed, pos))
+            pos += len(sp.chunk)
+        return parts, pos
 
     @staticmethod
     def _absorbed(sp: SlotPlan, slot: Slot, prior: dict[ChunkId, frozenset]) -> frozenset:

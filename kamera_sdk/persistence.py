@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from kamera_engine import KV, Engine, Patch
 
-from .chunks import VISION_KINDS, Chunk, StoredPatch, antecedent_signature
+from .chunks import VISION_KINDS, Chunk, PatchKind, StoredPatch, antecedent_signature, sequence_digest
 from .stats import WindowStats
 from .store import ChunkStore, EntryKey, EntryKind, StoreEntry
 
@@ -33,7 +33,7 @@ class Persistence:
         self.store = store
         self.fingerprint = engine.fingerprint
         # canonicals depend on the anchor they were compiled after, and on the KV dtype
-        anchor = antecedent_signature(tuple(str(t) for t in engine.anchor_ids))
+        anchor = sequence_digest([str(t) for t in engine.anchor_ids])
         self.canonical_variant = f"anchor={anchor};dtype={str(engine.dtype).replace('torch.', '')}"
         self.anchor = anchor
         self.stats = stats
@@ -77,15 +77,16 @@ class Persistence:
 
     def _variant(self, stored: StoredPatch) -> str:
         p = stored.patch
-        layers = antecedent_signature(tuple(str(i) for i in p.layers))
+        layers = sequence_digest([str(i) for i in p.layers])
         dtype = str(p.k_u.dtype).replace("torch.", "")
-        return f"{stored.kind}:{antecedent_signature(stored.antecedent)}:r{p.rank}:l{layers}:{dtype}:a{self.anchor}"
+        antecedent = antecedent_signature(stored.antecedent)
+        return f"{stored.kind.value}:{antecedent}:r{p.rank}:l{layers}:{dtype}:a{self.anchor}"
 
     def save_patch(self, chunk: Chunk, stored: StoredPatch) -> None:
         variant = self._variant(stored)
         meta = {
             "antecedent": json.dumps(list(stored.antecedent)),
-            "kind": stored.kind,
+            "kind": stored.kind.value,
             "orderings": str(stored.orderings),
             "absorbed": json.dumps(sorted(stored.carried)),
         }
@@ -105,13 +106,16 @@ class Persistence:
         # chosen the same way everywhere
         for key, entry in sorted(found, key=lambda item: (item[1].created_at, item[0].variant)):
             antecedent = tuple(json.loads(entry.meta["antecedent"]))
+            if entry.meta["kind"] not in {k.value for k in PatchKind}:
+                self._refuse(f"unknown patch kind {entry.meta['kind']!r}", chunk, key)
+                continue
             patch = Patch.from_tensors(entry.tensors)
             if patch.num_tokens != len(chunk):
                 self._refuse(f"patch of {patch.num_tokens} tokens for a chunk of {len(chunk)}", chunk, key)
                 continue
             absorbed = frozenset(json.loads(entry.meta["absorbed"])) if "absorbed" in entry.meta else None
             orderings = int(entry.meta.get("orderings", "1"))
-            out.append(StoredPatch(patch, antecedent, entry.meta["kind"], orderings, absorbed))
+            out.append(StoredPatch(patch, antecedent, PatchKind(entry.meta["kind"]), orderings, absorbed))
             self.stats.store_loads += 1
         return out
 

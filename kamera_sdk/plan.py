@@ -12,7 +12,7 @@ from enum import Enum
 
 from kamera_engine import KV
 
-from .chunks import Antecedent, Chunk, StoredPatch
+from .chunks import Antecedent, Chunk, PatchKind, StoredPatch
 
 
 class Source(str, Enum):
@@ -38,7 +38,7 @@ class SlotPlan:
     source: Source
     patch: StoredPatch | None = None
     form_patch: bool = False  # FORWARD slots: also form and store a patch for later reuse
-    patch_kind: str = "exact"  # kind recorded for a patch formed here ("fresh" on recall)
+    patch_kind: PatchKind = PatchKind.EXACT  # kind recorded for a patch formed here (FRESH on recall)
     reason: str = ""
     recompute_tokens: list[int] = field(default_factory=list)  # SELECTIVE: token indices to recompute
     reuse_kv: KV | None = None  # PREFIX: the cached placed KV

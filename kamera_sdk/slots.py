@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kamera_engine import KV
 
-from .chunks import Antecedent, ChunkId, StoredPatch
+from .chunks import Antecedent, ChunkId, PatchKind, StoredPatch
 
 
 @dataclass(slots=True, eq=False)
@@ -18,9 +18,12 @@ class PendingPatch:
     """
 
     antecedent: Antecedent
-    kind: str = "exact"
+    kind: PatchKind = PatchKind.EXACT
     absorbed: frozenset[ChunkId] | None = None  # what the conditioned KV carries (``StoredPatch.absorbed``)
     stored: StoredPatch | None = None
+
+    def __post_init__(self) -> None:
+        self.kind = PatchKind(self.kind)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,76 +12,132 @@ and IMAGE#LOUVRE2025" reads the names the model saw next to the pictures. A prom
 the window does not hold is refused (unknown name, or evicted: recall it first). The vision tower still
 runs once per distinct picture, whatever names it is given.
 
-Works with every policy that serves chunks from KV (``kamera``, ``recompute``, ``prefix``, ``blind``);
-the token-axis baselines that re-run chosen tokens through the layers (``cacheblend``, ``mpic``) and
-KV compression take text chunks only for now.
+Works with every policy that declares ``serves_images`` (those that serve chunks from KV: ``kamera``,
+``recompute``, ``prefix``, ``blind``); the token-axis baselines that re-run chosen tokens through the
+layers (``cacheblend``, ``mpic``) and KV compression take text chunks only for now.
+
+This module reaches the window through its public seam only (``WindowSeam``: ``known`` and ``admit``)
+and owns what a window branch knows of its images (``WindowMedia``); it never imports the window.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-from kamera_engine import ChunkNotFoundError, InvalidInputError, UnsupportedModelError, WindowOperationError
+from kamera_engine import ChunkNotFoundError, Engine, InvalidInputError, UnsupportedModelError, WindowOperationError
 from kamera_engine.vision import VisionEngine
 
 from .chunks import Chunk, ChunkId, content_id
 from .media import DEFAULT_LIMITS, FetchLimits, ImageInput, image_digest, load_image, load_video
-
-if TYPE_CHECKING:
-    from .window import ContextWindow
+from .policies import POLICIES, ReusePolicy
 
 #: How a prompt names an image (MPIC's IMAGE#ID style) and what a name may be made of.
 REF_PATTERN = re.compile(r"IMAGE#([A-Za-z0-9_]+)")
 _REF_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 
-#: Policies that serve image chunks (the selective-recompute baselines run token ids through the layers).
-VISION_POLICIES = frozenset({"kamera", "recompute", "prefix", "blind"})
+
+class WindowSeam(Protocol):
+    """What vision needs of a window: its engine and policy, a look-up of known content, and ``admit``."""
+
+    engine: Engine
+    policy: ReusePolicy
+    compressor: object | None
+
+    def known(self, chunk_id: ChunkId) -> Chunk | None: ...
+
+    def admit(self, *chunks: Chunk) -> list[ChunkId]: ...
 
 
-def _engine(win: ContextWindow, what: str) -> VisionEngine:
+class WindowMedia:
+    """What one window branch knows of its images: the ``IMAGE#<ref>`` names given with
+    ``add_image(..., ref=...)`` and the chunks they name, and the vision-tower runs it caused. A fork
+    starts with its parent's names and no tower runs of its own."""
+
+    def __init__(self, refs: dict[str, ChunkId] | None = None) -> None:
+        self._refs: dict[str, ChunkId] = dict(refs or {})
+        self.tower_runs = 0
+
+    @property
+    def refs(self) -> dict[str, ChunkId]:
+        return dict(self._refs)
+
+    def fork(self) -> WindowMedia:
+        return WindowMedia(self._refs)
+
+    def check_name(self, ref: str, chunk_id: ChunkId) -> None:
+        """Refuse a ref that already names another image (nothing is recorded)."""
+        held = self._refs.get(ref, chunk_id)
+        if held != chunk_id:
+            raise InvalidInputError(f"IMAGE#{ref} already names another image ({held[:8]}); pick another ref")
+
+    def name(self, ref: str, chunk_id: ChunkId) -> None:
+        self.check_name(ref, chunk_id)
+        self._refs[ref] = chunk_id
+
+    def check_prompt(self, prompt: str, window: Container[ChunkId]) -> None:
+        """Refuse a prompt that names an image (``IMAGE#<ref>``) the window does not hold."""
+        if "IMAGE#" not in prompt:
+            return
+        for ref in dict.fromkeys(REF_PATTERN.findall(prompt)):
+            cid = self._refs.get(ref)
+            if cid is None:
+                known = "known: " + (", ".join(f"IMAGE#{r}" for r in self._refs) or "none")
+                raise ChunkNotFoundError(
+                    f"the prompt names IMAGE#{ref}, but no image was added with that ref ({known})"
+                )
+            if cid not in window:
+                raise WindowOperationError(
+                    f"the prompt names IMAGE#{ref}, which was evicted from the window: "
+                    f"win.recall(win.refs[{ref!r}]) first"
+                )
+
+
+def _engine(win: WindowSeam, what: str) -> VisionEngine:
     engine = win.engine
     if not isinstance(engine, VisionEngine):
         raise UnsupportedModelError(
             f"{what} needs a vision-language engine (VisionEngine.load(<VLM id or path>)); "
             f"{engine.name} is a text model"
         )
-    if win.policy.name not in VISION_POLICIES:
-        raise UnsupportedModelError(
-            f"policy {win.policy.name!r} does not serve image chunks yet; use one of {sorted(VISION_POLICIES)}"
-        )
+    if not win.policy.serves_images:
+        serving = sorted(name for name, cls in POLICIES.items() if cls.serves_images)
+        raise UnsupportedModelError(f"policy {win.policy.name!r} does not serve image chunks yet; use one of {serving}")
     if win.compressor is not None:
         raise UnsupportedModelError("KV compression does not take image chunks yet")
     return engine
 
 
 def _chunk(
-    win: ContextWindow,
+    win: WindowSeam,
+    media: WindowMedia,
     engine: VisionEngine,
     cid: ChunkId,
     kind: str,
-    register: Any,
+    register: Callable[[], object],
     label: str | None,
     prefix: Sequence[int] = (),
 ) -> Chunk:
     """The chunk for ``cid``: the known one, or a new one registered with the engine (the vision tower runs
     here, once per distinct picture). Nothing is added to the window yet."""
-    if cid in win._table:
-        return win._table.get(cid)
+    known = win.known(cid)
+    if known is not None:
+        return known
     runs = engine.tower_runs
     entry = register()
-    win._stats.vision_tower_runs += engine.tower_runs - runs
-    return Chunk(cid, kind, [*prefix, *entry.token_ids], text=label)
-
-
-def _append(win: ContextWindow, chunk: Chunk) -> ChunkId:
-    return win._append_known(chunk.id) if chunk.id in win._table else win._add(chunk)
+    media.tower_runs += engine.tower_runs - runs
+    return Chunk(cid, kind, [*prefix, *entry.token_ids], text=label)  # type: ignore[attr-defined]
 
 
 def add_image(
-    win: ContextWindow, image: ImageInput, *, ref: str | None = None, limits: FetchLimits = DEFAULT_LIMITS
+    win: WindowSeam,
+    media: WindowMedia,
+    image: ImageInput,
+    *,
+    ref: str | None = None,
+    limits: FetchLimits = DEFAULT_LIMITS,
 ) -> ChunkId:
     """Append an image chunk (PIL image, path, bytes or http(s) URL); returns its content id.
 
@@ -97,31 +153,18 @@ def add_image(
     label = f"[{name} {img.width}x{img.height}]"
     prefix = [] if ref is None else engine.tokenize(f"{name}: ")  # a name is part of the chunk's content
     cid = content_id("image", (digest if ref is None else f"{digest}#{ref}").encode())
-    if ref is not None and win._refs.get(ref, cid) != cid:
-        raise InvalidInputError(f"IMAGE#{ref} already names another image ({win._refs[ref][:8]}); pick another ref")
-    chunk_id = _append(
-        win, _chunk(win, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
-    )
     if ref is not None:
-        win._refs[ref] = chunk_id
+        media.check_name(ref, cid)
+    chunk = _chunk(win, media, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
+    (chunk_id,) = win.admit(chunk)
+    if ref is not None:
+        media.name(ref, chunk_id)
     return chunk_id
 
 
-def check_prompt_refs(win: ContextWindow, prompt: str) -> None:
-    """Refuse a prompt that names an image (``IMAGE#<ref>``) the window does not hold."""
-    for ref in dict.fromkeys(REF_PATTERN.findall(prompt)):
-        cid = win._refs.get(ref)
-        if cid is None:
-            known = "known: " + (", ".join(f"IMAGE#{r}" for r in win._refs) or "none")
-            raise ChunkNotFoundError(f"the prompt names IMAGE#{ref}, but no image was added with that ref ({known})")
-        if cid not in win:
-            raise WindowOperationError(
-                f"the prompt names IMAGE#{ref}, which was evicted from the window: win.recall(win.refs[{ref!r}]) first"
-            )
-
-
 def add_video(
-    win: ContextWindow,
+    win: WindowSeam,
+    media: WindowMedia,
     video: str | Path | bytes | Sequence[ImageInput],
     *,
     frames_per_segment: int = 4,
@@ -148,11 +191,10 @@ def add_video(
         cid = content_id("video", digest.encode())
         label = f"[video {seg.start_s:.1f}-{seg.end_s:.1f}s, {len(seg.frames)} frames]"
         chunk = _chunk(
-            win, engine, cid, "video", lambda s=seg, d=digest: engine.register_video(s.frames, s.fps, d), label
+            win, media, engine, cid, "video", lambda s=seg, d=digest: engine.register_video(s.frames, s.fps, d), label
         )
-        # every segment is checked before any is added (the budget, and the context its canonical is
-        # computed in): a refusal changes nothing
-        win._check_fits(chunk)
+        # the context each segment's canonical is computed in is checked before any is added (``admit``
+        # checks the budget of every segment first): a refusal changes nothing
         engine.check_length(len(engine.anchor_ids) + len(chunk))
         chunks.append(chunk)
-    return [_append(win, chunk) for chunk in chunks]
+    return win.admit(*chunks)

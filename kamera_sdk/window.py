@@ -8,15 +8,12 @@ changes anything, so a refused operation leaves the window as it was.
 
 from __future__ import annotations
 
-import itertools
+import copy
 import logging
-import math
 import operator
-import random
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import replace
 from pathlib import Path
 from typing import Literal, overload
 
@@ -35,19 +32,22 @@ from kamera_engine import (
 from kamera_engine.decode import TextStream, stop_strings
 from kamera_engine.runner import Prefilled
 
-from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, StoredPatch, content_id
+from . import vision
+from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
 from .compress import CompressionPolicy, make_compressor
 from .compress.runner import Compressed, decode_compressed, prefill_compressed
 from .config import WindowConfig
 from .executor import Execution, Executor
 from .graph import DependencyGraph
+from .metering import EngineMeter
 from .persistence import Persistence
 from .placement import best_order
 from .plan import Plan
 from .policies import ReusePolicy, WindowView, make_policy
 from .slots import Slot
-from .stats import Decision, WindowStats
+from .stats import Decision, WindowStats, Work
 from .store import ChunkStore, default_store_path, open_store
+from .window_state import WindowState
 
 log = logging.getLogger("kamera.window")
 
@@ -82,7 +82,8 @@ class DisposabilityResult(BaseModel):
 class ContextWindow:
     """A window of chunks served by a reuse policy over one engine.
 
-    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind`` (and any registered policy).
+    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind``, ``cacheblend``, ``mpic`` (the
+    registered policies, ``POLICIES``; a test keeps this list complete), or a ``ReusePolicy`` instance.
     ``rank``: patch rank m (default 32). ``budget_tokens``: slide the oldest chunks out when the window
     exceeds it (a chunk larger than the whole budget is refused). Or pass both inside ``config``.
     ``store``: where canonicals and patches persist: None (this process only), a directory path,
@@ -107,24 +108,29 @@ class ContextWindow:
             raise InvalidInputError("pass rank/budget_tokens either directly or inside config, not both")
         self.engine = engine
         self.config = config
-        self.policy = make_policy(policy)
+        resolved = make_policy(policy)
         self.compressor = None if compress is None else make_compressor(compress, kv_budget)
         if compress is None and kv_budget is not None:
             raise InvalidInputError("kv_budget needs compress= ('elastic' or 'david')")
         self.store: ChunkStore | None = None
         if store is not None:
             self.store = open_store(default_store_path() if store == "default" else store)
-        self._table = ChunkTable()
-        self._slots: list[Slot] = []
-        self._evicted: list[ChunkId] = []
-        self._refs: dict[str, ChunkId] = {}  # IMAGE#<ref> names of image chunks (add_image(..., ref=...))
-        self._graph = DependencyGraph()
-        self._stats = WindowStats(policy=self.policy.name)
-        self._step = 0
+        self._table = ChunkTable()  # shared by every branch
+        self._open_branch(resolved, WindowState())
+
+    def _open_branch(self, policy: ReusePolicy, state: WindowState, *, forked: bool = False) -> None:
+        """Start this object as a branch with ``state``: its own stats, meter, executor (and its queue of
+        set-aside patches) and store pins; everything else is shared with the window it came from."""
+        self.policy = policy
+        self._state = state
+        self._stats = WindowStats(policy=policy.name, forked=forked, started_at_step=state.step)
+        self._meter = EngineMeter(self.engine, self._stats)
+        self._persistence = None if self.store is None else Persistence(self.store, self.engine, self._stats)
+        self._executor = Executor(self.engine, self._table, self.config, self._meter, self._persistence)
         self._forget_uses()
         self._pins_released = False  # close() hands the pins back
-        self._persistence = None if self.store is None else Persistence(self.store, engine, self._stats)
-        self._executor = Executor(engine, self._table, config, self._stats, self._persistence)
+        for cid in self.chunks:
+            self._pin(cid)  # a branch holds its own pins: its chunks stay resident while it lives
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -148,43 +154,56 @@ class ContextWindow:
     @property
     def refs(self) -> dict[str, ChunkId]:
         """``IMAGE#<ref>`` names given with ``add_image(..., ref=...)``, and the chunks they name."""
-        return dict(self._refs)
+        return self._state.media.refs
 
     @property
     def chunks(self) -> list[ChunkId]:
         """Chunk ids in window order."""
-        return [s.chunk_id for s in self._slots]
+        return [s.chunk_id for s in self._state.slots]
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """The window's slots in order: each chunk's conditioned KV (position-free) as of its last use, what
+        it is conditioned on and any patch still to be formed from it. Slots are immutable records."""
+        return tuple(self._state.slots)
 
     @property
     def evicted(self) -> list[ChunkId]:
         """Chunks evicted from the window and still recallable (oldest first)."""
-        return list(self._evicted)
+        return list(self._state.evicted)
 
     @property
     def graph(self) -> DependencyGraph:
         """The dependency graph of conditioning (antecedent -> patch -> dependent)."""
-        return self._graph
+        return self._state.graph
 
     @property
     def tokens(self) -> int:
         """Tokens in the window, chunks only (the chat anchor and prompt excluded)."""
-        return sum(len(self._table.get(s.chunk_id)) for s in self._slots)
+        return sum(len(self._table.get(s.chunk_id)) for s in self._state.slots)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._state.slots)
 
     def __contains__(self, chunk_id: object) -> bool:
-        return any(s.chunk_id == chunk_id for s in self._slots)
+        return any(s.chunk_id == chunk_id for s in self._state.slots)
 
     def chunk(self, chunk_id: ChunkId) -> Chunk:
         """The table entry of a chunk in this window or evicted from it."""
-        if chunk_id not in self and chunk_id not in self._evicted:
+        if chunk_id not in self and chunk_id not in self._state.evicted:
             raise ChunkNotFoundError(f"chunk {chunk_id!r} is not in this window nor evicted from it")
         return self._table.get(chunk_id)
+
+    def known(self, chunk_id: ChunkId) -> Chunk | None:
+        """The table entry of content this window or any of its branches has seen, else None (content
+        ids are hashes of content: a caller that builds a chunk itself asks here first, so known content
+        is not processed again)."""
+        return self._table.get(chunk_id) if chunk_id in self._table else None
 
     def stats(self) -> WindowStats:
         """A snapshot of what this window has done (store counters included when there is a store)."""
         snap = self._stats.model_copy(deep=True)
+        snap.vision_tower_runs = self._state.media.tower_runs
         if self.store is not None:
             st = self.store.stats()
             snap.store_load_failures += st.refused_checksum + st.refused_fingerprint + st.load_errors
@@ -203,21 +222,17 @@ class ContextWindow:
         if k:
             return self.add(self.engine.tokenize(text), kind=f"text#{k}", text=text)
         cid = content_id("text", text.encode())
-        if cid in self._table:
-            return self._append_known(cid)
-        return self._add(Chunk(cid, "text", self.engine.tokenize(text), text=text))
+        known = self.known(cid)
+        (chunk_id,) = self.admit(known or Chunk(cid, "text", self.engine.tokenize(text), text=text))
+        return chunk_id
 
     def add_image(self, image: object, **kwargs: object) -> ChunkId:
         """Append an image chunk (PIL image, path, bytes or http(s) URL; VLM engines). See ``vision``."""
-        from .vision import add_image
-
-        return add_image(self, image, **kwargs)  # type: ignore[arg-type]
+        return vision.add_image(self, self._state.media, image, **kwargs)  # type: ignore[arg-type]
 
     def add_video(self, video: object, **kwargs: object) -> list[ChunkId]:
         """Append a video (file, bytes or frames) as one chunk per segment of sampled frames. See ``vision``."""
-        from .vision import add_video
-
-        return add_video(self, video, **kwargs)  # type: ignore[arg-type]
+        return vision.add_video(self, self._state.media, video, **kwargs)  # type: ignore[arg-type]
 
     def add(self, token_ids: Sequence[int], *, kind: str = "tokens", text: str | None = None) -> ChunkId:
         """Append a pre-tokenised chunk. ``kind`` is part of its content id (the same tokens under two kinds
@@ -226,36 +241,42 @@ class ContextWindow:
             raise InvalidInputError(f"add() takes a text kind, not {kind!r}; images and video: add_image / add_video")
         ids = self._token_ids(token_ids, "a chunk")
         cid = content_id(kind, torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        (chunk_id,) = self.admit(self.known(cid) or Chunk(cid, kind, ids, text=text))
+        return chunk_id
+
+    def admit(self, *chunks: Chunk) -> list[ChunkId]:
+        """Append ready-made chunks (in order); returns their ids. The one way content enters a window:
+        ``add_text`` / ``add`` / ``add_image`` / ``add_video`` build chunks and admit them here.
+
+        Every chunk is checked against ``budget_tokens`` before any is added (a refusal changes nothing).
+        Then, per chunk: content already in the window is left as it is (a window is a set); an evicted
+        chunk is recalled; content another branch holds is appended with its canonical and patches; new
+        content gets its stored patches and its canonical (from the store, or one forward) and is
+        recorded. The window then slides to stay in budget."""
+        for chunk in chunks:
+            if not isinstance(chunk, Chunk):
+                raise InvalidInputError(f"admit takes Chunk objects, not {type(chunk).__name__}")
+            self._check_fits(chunk)
+        return [self._admit_one(chunk) for chunk in chunks]
+
+    def _admit_one(self, chunk: Chunk) -> ChunkId:
+        cid = chunk.id
         if cid in self._table:
-            return self._append_known(cid)
-        return self._add(Chunk(cid, kind, ids, text=text))
-
-    def _add(self, chunk: Chunk) -> ChunkId:
-        self._check_fits(chunk)
-        if self._persistence is not None:
-            chunk.patches = self._persistence.load_patches(chunk)
-        if self.policy.needs_canonical:
-            self._executor.canonical(chunk)  # written at arrival; if it fails, nothing is recorded
-        entry = self._table.put(chunk)
-        self._graph.add_chunk(entry.id)
-        return self._admit(entry.id)
-
-    def _append_known(self, cid: ChunkId) -> ChunkId:
-        if cid in self:
-            return cid  # a window is a set: already present, nothing to do
-        if cid in self._evicted:
-            self.recall(cid)
-            return cid
-        chunk = self._table.get(cid)  # known to another branch of this window
-        self._check_fits(chunk)
-        if self.policy.needs_canonical:
-            self._executor.canonical(chunk)
-        self._stats.canonicals_reused += 1
-        return self._admit(cid)
-
-    def _admit(self, cid: ChunkId) -> ChunkId:
-        """Append a known chunk's slot (its canonical is in place), then keep the window in budget."""
-        self._slots.append(Slot(cid))
+            if cid in self:
+                return cid  # a window is a set: already present, nothing to do
+            if cid in self._state.evicted:
+                self.recall(cid)
+                return cid
+            if self.policy.needs_canonical:  # known to another branch of this window
+                self._executor.canonical(self._table.get(cid))
+            self._stats.canonicals_reused += 1
+        else:
+            if self._persistence is not None:
+                chunk.patches = self._persistence.load_patches(chunk)
+            if self.policy.needs_canonical:
+                self._executor.canonical(chunk)  # written at arrival; if it fails, nothing is recorded
+            self._state.graph.add_chunk(self._table.put(chunk).id)
+        self._state.slots.append(Slot(cid))
         self._pin(cid)
         self._changed("add")
         self._enforce_budget(keep=cid)
@@ -271,11 +292,11 @@ class ContextWindow:
         """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled."""
         idx = self._index(chunk_id)
         t0 = time.perf_counter()
-        self._flush([self._slots[idx]])
-        self._slots.pop(idx)
+        self._flush([self._state.slots[idx]])
+        self._state.slots.pop(idx)
         self._unpin(chunk_id)
-        self._graph.drop_conditioning(chunk_id)
-        self._evicted.append(chunk_id)
+        self._state.graph.drop_conditioning(chunk_id)
+        self._state.evicted.append(chunk_id)
         self._changed("evict", t0)
 
     def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
@@ -283,16 +304,16 @@ class ContextWindow:
         forms a fresh patch on its now-fixed earlier context (or reuses one formed on that same context)."""
         if chunk_id in self:
             raise WindowOperationError(f"chunk {chunk_id!r} is already in the window")
-        if chunk_id not in self._evicted:
+        if chunk_id not in self._state.evicted:
             if chunk_id in self._table:
                 raise WindowOperationError(f"chunk {chunk_id!r} was not evicted")
             raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
-        pos = len(self._slots) if at is None else as_index(at)
-        if pos is None or not 0 <= pos <= len(self._slots):
-            raise InvalidInputError(f"recall position must be an int in [0, {len(self._slots)}], got {at!r}")
+        pos = len(self._state.slots) if at is None else as_index(at)
+        if pos is None or not 0 <= pos <= len(self._state.slots):
+            raise InvalidInputError(f"recall position must be an int in [0, {len(self._state.slots)}], got {at!r}")
         t0 = time.perf_counter()
-        self._evicted.remove(chunk_id)
-        self._slots.insert(pos, Slot(chunk_id, recalled=True))
+        self._state.evicted.remove(chunk_id)
+        self._state.slots.insert(pos, Slot(chunk_id, recalled=True))
         self._pin(chunk_id)
         self._mark_dependents(chunk_id)
         self._changed("recall", t0)
@@ -304,19 +325,19 @@ class ContextWindow:
         count = as_index(n)
         if count is None or count < 0:
             raise InvalidInputError(f"slide takes a number of chunks (an int >= 0), got {n!r}")
-        if count > len(self._slots):
-            raise WindowOperationError(f"cannot slide {count} chunks out of a window of {len(self._slots)}")
+        if count > len(self._state.slots):
+            raise WindowOperationError(f"cannot slide {count} chunks out of a window of {len(self._state.slots)}")
         n = count
         if n == 0:
             return []
         t0 = time.perf_counter()
-        gone = [s.chunk_id for s in self._slots[:n]]
-        self._flush(self._slots[:n])
-        del self._slots[:n]
+        gone = [s.chunk_id for s in self._state.slots[:n]]
+        self._flush(self._state.slots[:n])
+        del self._state.slots[:n]
         for cid in gone:
             self._unpin(cid)
-            self._graph.drop_conditioning(cid)
-        self._evicted.extend(gone)
+            self._state.graph.drop_conditioning(cid)
+        self._state.evicted.extend(gone)
         self._changed("slide", t0)
         return gone
 
@@ -337,14 +358,14 @@ class ContextWindow:
                 f"reorder needs a permutation of the current window; missing {missing}, unknown {unknown}, "
                 f"{len(order)} given for {len(current)}"
             )
-        by_id = {s.chunk_id: s for s in self._slots}
-        before = self._slots
-        self._slots = [by_id[c] for c in order]
-        if self.config.reorder_patch == "orbit" and self.policy.name == "kamera":
+        by_id = {s.chunk_id: s for s in self._state.slots}
+        before = self._state.slots
+        self._state.slots = [by_id[c] for c in order]
+        if self.config.reorder_patch == "orbit" and self.policy.forms_orbit_patches:
             try:
                 self._form_missing_orbit_patches()
             except BaseException:
-                self._slots = before  # the orbit patches formed so far stay stored; the order does not change
+                self._state.slots = before  # the orbit patches formed so far stay stored; the order does not change
                 raise
         self._changed("reorder", t0)
         return order
@@ -352,25 +373,8 @@ class ContextWindow:
     def fork(self) -> ContextWindow:
         """Copy-on-write branch: canonicals, patches and current slot KV are shared, not copied; each
         branch edits only its own slot list from here on."""
-        child = ContextWindow.__new__(ContextWindow)
-        child.engine = self.engine
-        child.config = self.config
-        child.policy = self.policy.fork()
-        child.compressor = self.compressor
-        child.store = self.store
-        child._persistence = self._persistence
-        child._table = self._table
-        child._slots = list(self._slots)  # Slot objects are immutable; tensors shared
-        child._evicted = list(self._evicted)
-        child._refs = dict(self._refs)
-        child._graph = self._graph.copy()
-        child._stats = WindowStats(policy=self.policy.name)
-        child._step = self._step
-        child._forget_uses()
-        child._pins_released = False
-        for cid in child.chunks:
-            child._pin(cid)  # the branch holds its own pins: its chunks stay resident while it lives
-        child._executor = Executor(self.engine, self._table, self.config, child._stats, self._persistence)
+        child = copy.copy(self)  # the shared parts: engine, config, compressor, store, content table
+        child._open_branch(self.policy.fork(), self._state.fork(), forked=True)
         self._stats.time("fork", 0.0)
         return child
 
@@ -383,20 +387,23 @@ class ContextWindow:
 
     def assemble(self) -> KV:
         """Materialise the window: the anchor and every chunk's KV, placed."""
+        self._new_use()
         return self._materialise()[1].assembled
 
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
         ids = self._prompt_ids(prompt)
         self._check_length(ids)
+        self._new_use()
         plan, execution = self._materialise(ids)
         t0 = time.perf_counter()
         memo = self._prefilled(ids)
         if memo is not None:  # the prompt rode in the window's trailing forward (now or at an earlier call)
             lp = torch.log_softmax(memo.logits.float(), dim=-1).cpu()
         else:
-            lp = self.engine.next_token_logprobs(execution.parts, ids, plan.end)
-        self._count_prompt(ids, t0, own_forward=memo is None)
+            with self._meter.measure(Work.PROMPT):
+                lp = self.engine.next_token_logprobs(execution.parts, ids, plan.end)
+        self._count_prompt(ids, t0)
         return lp
 
     @overload
@@ -457,15 +464,16 @@ class ContextWindow:
         if self.engine.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
         self._check_compression(ids)
+        self._new_use()
         plan, execution = self._materialise(ids if self.compressor is None else None)
         t0 = time.perf_counter()
         memo = self._prefilled(ids) if self.compressor is None else None
         if self.compressor is not None:
-            tokens = decode_compressed(self.engine, self.compress_window(ids), self.compressor, params)
+            tokens = decode_compressed(self.engine, self._compress(ids), self.compressor, params)
         else:
             tokens = self._answer_ids(ids, plan, execution, memo, params)
         pieces = self.engine.stream(tokens, params)
-        self._count_prompt(ids, t0, own_forward=memo is None)
+        self._count_prompt(ids, t0)
         return pieces if stream else "".join(pieces)
 
     def compress_window(self, prompt: str | Sequence[int]) -> Compressed:
@@ -476,14 +484,20 @@ class ContextWindow:
         ids = self._prompt_ids(prompt)
         self._check_length(ids)
         self._check_compression(ids)
+        self._new_use()
+        return self._compress(ids)
+
+    def _compress(self, ids: list[int]) -> Compressed:
+        assert self.compressor is not None
         plan, execution = self._materialise()
-        window_ids = list(self.engine.anchor_ids) + [t for sp in plan.slots for t in sp.chunk.token_ids]
-        vision = torch.tensor(
+        window_ids = self._executor.window_ids(plan)
+        vision_mask = torch.tensor(
             [False] * plan.anchor_len + [sp.chunk.kind in VISION_KINDS for sp in plan.slots for _ in sp.chunk.token_ids]
         )
         t0 = time.perf_counter()
-        c = prefill_compressed(self.engine, execution.parts, window_ids, ids, self.compressor, vision)
-        self._stats.compression_stats_tokens += c.stats_tokens
+        with self._meter.measure(Work.PROMPT) as work:
+            c = prefill_compressed(self.engine, execution.parts, window_ids, ids, self.compressor, vision_mask)
+            work.move(Work.STATISTICS, c.stats_tokens, forwards=1 if c.stats_tokens else 0)
         self._stats.kv_bytes_fraction = c.kv_bytes_fraction
         self._stats.time("compress", time.perf_counter() - t0)
         return c
@@ -502,31 +516,18 @@ class ContextWindow:
         params = SamplingParams(max_new_tokens=max_new_tokens)
         params.validate()
         self._check_length(ids, max_new_tokens)
-        plan, execution = self._materialise(ids)
+        plan, execution = self._materialise(ids)  # over the KV the window holds, for every policy
         key = (tuple(ids), max_new_tokens)
         if key not in self._answers:
             t0 = time.perf_counter()
             memo = self._prefilled(ids)
             self._answers[key] = list(self._answer_ids(ids, plan, execution, memo, params))
-            self._count_prompt(ids, t0, own_forward=memo is None)
-        parts = [self.engine.anchor_kv]
-        pos = plan.anchor_len
-        for i, sp in enumerate(plan.slots):
-            if i == idx:
-                if mode == "chunk":
-                    continue
-                parts.append(self.engine.apply(self._executor.canonical(sp.chunk), None, pos))
-            else:
-                placed, free = execution.placed[i], execution.slots[i].kv
-                if int(placed.positions[0]) == pos:
-                    parts.append(placed)
-                elif free is not None:  # one rotation from angle 0, as every placement
-                    parts.append(self.engine.apply(free, None, pos))
-                else:
-                    parts.append(self.engine.relocate(placed, pos))
-            pos += len(sp.chunk)
+            self._count_prompt(ids, t0)
+        parts, pos = self._executor.parts_without(plan, execution, idx, drop=mode == "chunk")
         t0 = time.perf_counter()
-        answers = [self._answers[key], list(self.engine.generate_ids(parts, ids, pos, params))]
+        with self._meter.measure(Work.PROMPT):
+            without = list(self.engine.generate_ids(parts, ids, pos, params))
+        answers = [self._answers[key], without]
         self._count_prompt(ids, t0)
         text = [self._decode(a) for a in answers]
         return DisposabilityResult(
@@ -541,10 +542,12 @@ class ContextWindow:
         self, ids: list[int], plan: Plan, execution: Execution, memo: Prefilled | None, params: SamplingParams
     ) -> Iterator[int]:
         """The answer's token ids: decoded on from the prompt's kept prefill when it rode in the window's
-        forward (``memo``), else after prefilling the prompt over the assembled window."""
+        forward (``memo``), else after prefilling the prompt over the assembled window (counted here; the
+        decode steps that follow are not forwards of the window's)."""
         if memo is not None:
             return self.engine.continue_ids(memo, params)
-        return self.engine.generate_ids(execution.parts, ids, plan.end, params)
+        with self._meter.measure(Work.PROMPT):
+            return self.engine.generate_ids(execution.parts, ids, plan.end, params)
 
     def _decode(self, token_ids: list[int]) -> str:
         tok = self.engine.tokenizer
@@ -558,78 +561,25 @@ class ContextWindow:
         preds = self.chunks[:idx]
         if not preds:
             raise WindowOperationError("the leading chunk needs no patch")
-        chunk = self._table.get(chunk_id)
-        orderings = self._orderings(preds)
-        t0 = time.perf_counter()
-        conditioned = []
-        for ordering in orderings:
-            ids = [t for c in ordering for t in self._table.get(c).token_ids] + chunk.token_ids
-            res = self.engine.forward(ids, self.engine.anchor_kv, len(self.engine.anchor_ids), logits="none")
-            self._stats.forwards += 1
-            self._stats.tokens_prefilled += len(ids)
-            conditioned.append(res.kv.slice(len(ids) - len(chunk), len(ids)))
-        stored = self._executor.store_patch(chunk, conditioned, "orbit", tuple(preds))
-        self._stats.orbit_patches_formed += 1
-        self._stats.time("orbit_patch", time.perf_counter() - t0)
-        return stored
+        return self._executor.form_orbit_patch(self._table.get(chunk_id), [self._table.get(c) for c in preds])
 
     # --- internals -----------------------------------------------------------------------------
-    def _orderings(self, preds: list[ChunkId]) -> list[tuple[ChunkId, ...]]:
-        if len(preds) <= self.config.orbit_exhaustive_max or self.config.orbit_samples >= math.factorial(len(preds)):
-            return list(itertools.permutations(preds))
-        rng = random.Random(self.config.seed)
-        seen = {tuple(preds)}
-        out = [tuple(preds)]
-        while len(out) < self.config.orbit_samples:
-            perm = tuple(rng.sample(preds, len(preds)))
-            if perm not in seen:
-                seen.add(perm)
-                out.append(perm)
-        return out
-
     def _form_missing_orbit_patches(self) -> None:
         for i, cid in enumerate(self.chunks):
             if i == 0:
                 continue
             chunk = self._table.get(cid)
             preds = frozenset(self.chunks[:i])
-            if not any(p.kind == "orbit" and p.antecedent_set == preds for p in chunk.patches):
+            if not any(p.kind is PatchKind.ORBIT and p.antecedent_set == preds for p in chunk.patches):
                 self.form_orbit_patch(cid)
 
     def flush(self) -> int:
         """Form every pending patch now (normally formed when a chunk leaves the window or is needed, or
         at the next window operation once its slot was served another way). Returns how many were formed."""
-        return self._form_orphans() + self._flush(self._slots)
-
-    def _form_orphans(self, *, raise_errors: bool = True) -> int:
-        """Form the patches set aside when their slot was served another way. One that fails stays queued
-        (with those behind it); after a window operation the failure is logged, not raised: the
-        operation itself has succeeded."""
-        orphans = self._executor.orphans
-        formed = 0
-        while orphans:
-            chunk, kv, pending = orphans[0]
-            new = pending.stored is None
-            try:
-                self._executor.form_pending(chunk, kv, pending)
-            except Exception as exc:
-                if raise_errors:
-                    raise
-                log.warning("window: forming a set-aside patch of %s failed (kept for later): %s", chunk.id[:8], exc)
-                return formed
-            orphans.pop(0)
-            formed += new
-        return formed
+        return self._executor.form_orphans() + self._flush(self._state.slots)
 
     def _flush(self, slots: list[Slot]) -> int:
-        formed = 0
-        for i, slot in enumerate(self._slots):
-            if slot.pending is None or slot.kv is None or not any(slot is s for s in slots):
-                continue
-            formed += slot.pending.stored is None  # a fork sharing this slot may have formed it already
-            self._executor.form_pending(self._table.get(slot.chunk_id), slot.kv, slot.pending)
-            self._slots[i] = replace(slot, pending=None)
-        return formed
+        return self._executor.form_slot_patches(self._state.slots, slots)
 
     def _pin(self, chunk_id: ChunkId) -> None:
         """Chunks in a live window (or fork) are never evicted from the store's memory tier."""
@@ -643,16 +593,16 @@ class ContextWindow:
 
     def _flush_stale(self) -> None:
         """Stale slots (a chunk they absorbed was recalled) may be served from their own pending patch."""
-        self._flush([s for s in self._slots if self._graph.is_stale(s.chunk_id)])
+        self._flush([s for s in self._state.slots if self._state.graph.is_stale(s.chunk_id)])
 
     def _view(self) -> WindowView:
-        return WindowView(self.engine, self.config, self._table, self._slots, self._graph, self._step)
+        return WindowView(self.engine, self.config, self._table, self._state.slots, self._state.graph, self._state.step)
 
     def _index(self, chunk_id: ChunkId) -> int:
-        for i, s in enumerate(self._slots):
+        for i, s in enumerate(self._state.slots):
             if s.chunk_id == chunk_id:
                 return i
-        if chunk_id in self._evicted:
+        if chunk_id in self._state.evicted:
             raise WindowOperationError(f"chunk {chunk_id!r} is not in the window (evicted)")
         if chunk_id in self._table:
             raise ChunkNotFoundError(f"chunk {chunk_id!r} is not in this window (another branch holds it)")
@@ -681,10 +631,7 @@ class ContextWindow:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt must not be empty")
-            if "IMAGE#" in prompt:
-                from .vision import check_prompt_refs
-
-                check_prompt_refs(self, prompt)
+            self._state.media.check_prompt(prompt, self)
             return self.engine.prompt_ids(prompt)
         return self._token_ids(prompt, "prompt")
 
@@ -698,8 +645,8 @@ class ContextWindow:
         if self.compressor is not None:
             self.compressor.check(len(self.engine.anchor_ids) + self.tokens + len(ids), len(ids))
 
-    def _count_prompt(self, ids: list[int], t0: float, *, own_forward: bool = True) -> None:
-        self._stats.forwards += own_forward  # a prompt fused into the window's forward ran no pass of its own
+    def _count_prompt(self, ids: list[int], t0: float) -> None:
+        """Count one answered prompt (its forward, if it ran one, is counted where it ran)."""
         self._stats.prompt_tokens += len(ids)
         self._stats.time("prompt", time.perf_counter() - t0)
 
@@ -711,17 +658,25 @@ class ContextWindow:
         self._prompt_memo: tuple[tuple[int, ...], Prefilled] | None = None
         self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}  # greedy answers (is_disposable)
 
+    def _new_use(self) -> None:
+        """An answer starts: a policy that does not reuse the window assembled at the last use
+        (``recompute``) assembles it again, as it says, even when nothing changed. ``is_disposable``
+        compares answers over the KV the window holds, so it is not a new use."""
+        if not self.policy.reuses_assembly:
+            self._forget_uses()
+
     def _changed(self, op: str, t0: float | None = None) -> None:
-        self._step += 1
+        self._state.step += 1
         self._forget_uses()
-        self._form_orphans(raise_errors=False)  # off the answer's path: patches whose slot was served otherwise
+        # off the answer's path: the patches whose slot was served another way
+        self._executor.form_orphans(raise_errors=False)
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 
     def _mark_dependents(self, chunk_id: ChunkId) -> None:
         """A recalled chunk invalidates every chunk in the window whose KV absorbed it (the cascade)."""
-        deps = [d for d in self._graph.dependents(chunk_id) if d in self and d != chunk_id]
-        self._graph.mark_stale(deps)
+        deps = [d for d in self._state.graph.dependents(chunk_id) if d in self and d != chunk_id]
+        self._state.graph.mark_stale(deps)
         self._stats.cascade_marked += len(deps)
 
     def _enforce_budget(self, keep: ChunkId) -> None:
@@ -729,8 +684,8 @@ class ContextWindow:
         they lead the window, else by eviction (``keep`` was recalled in front of them)."""
         budget = self.config.budget_tokens
         while budget is not None and self.tokens > budget:
-            victim = next(s.chunk_id for s in self._slots if s.chunk_id != keep)
-            if victim == self._slots[0].chunk_id:
+            victim = next(s.chunk_id for s in self._state.slots if s.chunk_id != keep)
+            if victim == self._state.slots[0].chunk_id:
                 self.slide(1)
             else:
                 self.evict(victim)
@@ -745,7 +700,7 @@ class ContextWindow:
     def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, Execution]:
         """Plan and assemble the window (cached until the next change). ``prompt``: prefill it in the
         plan's trailing forward when there is one (then kept for ``_prefilled``)."""
-        if not self._slots:
+        if not self._state.slots:
             raise WindowOperationError("the window is empty: add a chunk first")
         if self._cache is not None:
             return self._cache
@@ -753,10 +708,10 @@ class ContextWindow:
         self._flush_stale()
         plan = self.policy.plan(self._view())
         execution: Execution = self._executor.run(
-            plan, self._slots, self.policy.keeps_slot_kv, self._graph, self._step, prompt
+            plan, self._state.slots, self.policy.keeps_slot_kv, self._state.graph, self._state.step, prompt
         )
         self.policy.observe(self._view(), plan, execution.placed)
-        self._slots = execution.slots
+        self._state.slots = execution.slots
         self._cache = (plan, execution)
         self._stats.time("materialise", time.perf_counter() - t0)
         self._log_plan(plan)
@@ -766,4 +721,4 @@ class ContextWindow:
         return plan, execution
 
     def _log_plan(self, plan: Plan) -> None:
-        self._stats.log(Decision(step=self._step, chunk="*", source="plan", reason=plan.summary()))
+        self._stats.log(Decision(step=self._state.step, chunk="*", source="plan", reason=plan.summary()))

@@ -89,7 +89,7 @@ class WindowModelMachine(RuleBasedStateMachine):
     def slide(self, data: st.DataObject) -> None:
         n = data.draw(st.integers(0, len(self.order)))
         self.kam.next_token_logprobs(self.prompt)  # materialise so survivors have conditioned KV
-        before = {s.chunk_id: s.kv for s in self.kam._slots}
+        before = {s.chunk_id: s.kv for s in self.kam.slots}
         self._both(lambda w: w.slide(n))
         self.evicted += self.order[:n]
         self.order = self.order[n:]

@@ -55,6 +55,13 @@ class ReusePolicy:
     needs_canonical: ClassVar[bool] = True
     #: keep each slot's materialised KV for the next use (policies that recompute every time do not)
     keeps_slot_kv: ClassVar[bool] = True
+    #: serve image and video chunks (policies that run token ids back through the layers cannot)
+    serves_images: ClassVar[bool] = True
+    #: under ``reorder_patch="orbit"``, a reorder forms the orbit patches this policy's plans reuse
+    forms_orbit_patches: ClassVar[bool] = False
+    #: a use of an unchanged window reuses the window assembled at the last use (``recompute`` does not:
+    #: it re-prefills the whole window on every use, the baseline it stands for)
+    reuses_assembly: ClassVar[bool] = True
 
     def plan(self, view: WindowView) -> Plan:
         raise NotImplementedError

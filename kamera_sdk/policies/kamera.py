@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..chunks import Antecedent, Chunk, StoredPatch
+from ..chunks import Antecedent, Chunk, PatchKind, StoredPatch
 from ..envelope import judge
 from ..plan import Plan, SlotPlan, Source
 from ..slots import Slot
 from .base import ReusePolicy, WindowView, register_policy
 
-_KIND_RANK = {"orbit": 0, "fresh": 1, "exact": 2, "removal": 2}
+_KIND_RANK = {PatchKind.ORBIT: 0, PatchKind.FRESH: 1, PatchKind.EXACT: 2, PatchKind.REMOVAL: 2}
 
 
 def _dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
@@ -54,6 +54,7 @@ def _usable(p: StoredPatch, view: WindowView) -> bool:
 @dataclass
 class KameraPolicy(ReusePolicy):
     name = "kamera"
+    forms_orbit_patches = True
 
     def plan(self, view: WindowView) -> Plan:
         cfg = view.config
@@ -95,7 +96,7 @@ class KameraPolicy(ReusePolicy):
         unmaterialised = not slot.materialised()
         patch = self._best_patch(view, chunk, ante, unmaterialised, behind)
         env = view.config.envelope
-        if patch is not None and (patch.antecedent == ante or (reorder == "orbit" and patch.kind == "orbit")):
+        if patch is not None and (patch.antecedent == ante or (reorder == "orbit" and patch.kind is PatchKind.ORBIT)):
             return self._patch_plan(view, chunk, start, ante, patch)
         if own and reorder == "transfer":
             verdict = judge(slot.antecedent or (), ante, env)
@@ -115,13 +116,13 @@ class KameraPolicy(ReusePolicy):
             why = "a chunk it absorbed now sits behind it"
         else:
             why = "antecedent outside the envelope"
-        kind = "fresh" if slot.recalled else "exact"
+        kind = PatchKind.FRESH if slot.recalled else PatchKind.EXACT
         return SlotPlan(chunk, start, ante, Source.FORWARD, form_patch=True, patch_kind=kind, reason=why)
 
     def _survivor_patch(self, view: WindowView, chunk: Chunk, start: int, ante: Antecedent) -> SlotPlan:
         """survivors='patch': a patch formed on exactly what remains, else re-condition and store one."""
         for p in chunk.patches:
-            if p.antecedent == ante and p.kind != "orbit" and _usable(p, view):
+            if p.antecedent == ante and p.kind is not PatchKind.ORBIT and _usable(p, view):
                 return self._patch_plan(view, chunk, start, ante, p)
         return SlotPlan(
             chunk,
@@ -129,7 +130,7 @@ class KameraPolicy(ReusePolicy):
             ante,
             Source.FORWARD,
             form_patch=True,
-            patch_kind="removal",
+            patch_kind=PatchKind.REMOVAL,
             reason="survivor: re-conditioned on what remains (removal patch)",
         )
 

@@ -1,4 +1,5 @@
-"""``recompute``: re-prefill the whole window in order every time. The fidelity and cost ceiling."""
+"""``recompute``: re-prefill the whole window in order on every use, changed or not. The fidelity and cost
+ceiling."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class RecomputePolicy(ReusePolicy):
     name = "recompute"
     needs_canonical = False
     keeps_slot_kv = False
+    reuses_assembly = False
 
     def plan(self, view: WindowView) -> Plan:
         slots = [

@@ -15,6 +15,7 @@ from .base import ReusePolicy, WindowView
 @dataclass
 class SelectivePolicy(ReusePolicy):
     keeps_slot_kv: ClassVar[bool] = False
+    serves_images: ClassVar[bool] = False  # the chosen tokens are recomputed from token ids, not from image features
 
     def candidates(self, chunk: Chunk) -> tuple[list[int], str]:
         """The chunk's tokens the executor may recompute, and the reason logged for the slot."""

@@ -59,7 +59,7 @@ def test_adding_known_content_costs_nothing(engine) -> None:
 def test_slide_survivors_are_rotation_only(engine) -> None:
     win, _ids = _filled(engine)
     win.next_token_logprobs(PROMPT)
-    before = {s.chunk_id: s.kv for s in win._slots}
+    before = {s.chunk_id: s.kv for s in win.slots}
     win.slide(1)
     plan = win.plan()
     assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.SURVIVOR, Source.SURVIVOR]
@@ -84,7 +84,7 @@ def test_new_chunk_forwards_once_and_forms_a_patch(engine) -> None:
     st = win.stats()
     assert st.tokens_prefilled - tokens == 10
     # the patch is pending on the slot (formed off the critical path) until the chunk leaves or a flush
-    assert win.chunk(new).patches == [] and win._slots[-1].pending is not None
+    assert win.chunk(new).patches == [] and win.slots[-1].pending is not None
     assert win.flush() == 2 and len(win.chunk(new).patches) == 1  # the second original chunk too
     assert win.flush() == 0
 
@@ -158,16 +158,16 @@ def test_orbit_patch_serves_a_reordered_set(engine) -> None:
 def test_fork_is_copy_on_write_and_isolated(engine) -> None:
     win, ids = _filled(engine)
     lp_parent = win.next_token_logprobs(PROMPT)
-    ptrs = [s.kv.keys.data_ptr() for s in win._slots]
+    ptrs = [s.kv.keys.data_ptr() for s in win.slots]
     child = win.fork()
     assert child._table is win._table
-    assert [s.kv.keys.data_ptr() for s in child._slots] == ptrs  # nothing copied at fork time
+    assert [s.kv.keys.data_ptr() for s in child.slots] == ptrs  # nothing copied at fork time
     child.slide(2)
     child.add(random_ids(9, seed=77))
     child.reorder(list(reversed(child.chunks)))
     child.next_token_logprobs(PROMPT)
     assert win.chunks == ids
-    assert [s.kv.keys.data_ptr() for s in win._slots] == ptrs
+    assert [s.kv.keys.data_ptr() for s in win.slots] == ptrs
     assert torch.equal(win.next_token_logprobs(PROMPT), lp_parent)
 
 
@@ -227,7 +227,7 @@ def test_is_disposable_without_a_middle_chunk_rotates_from_angle_zero(engine) ->
     # the chunks behind the dropped one move up: each placed once from its position-free KV
     start = len(ANCHOR) + len(win.chunk(ids[0]))
     parts = [engine.anchor_kv, win.assemble().slice(len(ANCHOR), start)]
-    for s in win._slots[2:]:
+    for s in win.slots[2:]:
         parts.append(engine.apply(s.kv, None, start))
         start += len(s.kv)
     ref = str(list(engine.generate_ids(parts, PROMPT, start, SamplingParams(max_new_tokens=4))))
@@ -560,7 +560,7 @@ def test_a_chunk_passed_on_by_one_that_left_still_counts_as_absorbed(engine) -> 
     win.next_token_logprobs(PROMPT)
     z = win.add(random_ids(8, seed=623))
     win.next_token_logprobs(PROMPT)
-    assert x in win._slots[-1].absorbed  # through y
+    assert x in win.slots[-1].absorbed  # through y
     win.evict(y)
     win.next_token_logprobs(PROMPT)
     win.recall(x)

@@ -59,7 +59,7 @@ def test_mixed_window_matches_reprefill(family: str, tmp_path_factory: pytest.Te
     assert _kl(ref, kam.next_token_logprobs(prompt)) < 0.05
     # slide: survivors are rotations of their conditioned KV
     kam.next_token_logprobs(prompt)
-    before = {s.chunk_id: s.kv for s in kam._slots}
+    before = {s.chunk_id: s.kv for s in kam.slots}
     gone = kam.slide(1)
     rec.slide(1)
     plan, assembled = kam.plan(), kam.assemble()
