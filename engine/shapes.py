@@ -62,7 +62,8 @@ def random_engine(
     no anchor: feed it token ids). Default dtype as ``Engine.load``: float32 on CPU, bfloat16 on CUDA."""
     from transformers import AutoModelForCausalLM
 
-    from .engine import Engine, resolve_device
+    from .engine import Engine
+    from .loading import resolve_device
 
     config = shape_config(name, layers)
     dev = resolve_device(None if device is None else str(device))
