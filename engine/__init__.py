@@ -3,6 +3,9 @@
 Layering: this package never imports ``kamera_sdk``. Public names are listed in ``__all__``.
 """
 
+from . import threads as threads  # first: sets OpenMP's wait policy before torch loads (see threads.py)
+
+# isort: split
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
 from .decode import SamplingParams, TextStream
 from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home

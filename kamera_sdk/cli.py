@@ -66,6 +66,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from kamera_engine.attention import flash_attn_available, resolve_attention
     from kamera_engine.engine import resolve_device
+    from kamera_engine.threads import thread_plan
 
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
@@ -74,7 +75,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__,
         "cuda_available": torch.cuda.is_available(),
         "flash_attn_installed": flash_attn_available(),
-        "threads": torch.get_num_threads(),
+        "threads": thread_plan().as_dict(),  # the count, the OpenMP wait policy, and why
     }
     try:
         device = resolve_device(args.device)  # known even if the model then fails to load
