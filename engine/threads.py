@@ -9,7 +9,9 @@ competing process made the demo ten times slower. The policy here keeps contenti
   these once, when torch loads its library, so this module sets them at ``kamera_engine`` import, and only
   when torch is not imported yet and the user has not set them;
 * the intra-op thread count is the CPUs this process may use (affinity and cgroup quota), capped at
-  :data:`MAX_AUTO_THREADS`, unless the user chose: ``KAMERA_THREADS`` (a number, or ``torch`` to leave
+  :data:`MAX_AUTO_THREADS`; half of them when the machine is already oversubscribed (a 1-minute load
+  average at or above the CPU count: every thread is then descheduled often, and each parallel region
+  waits for its slowest thread). Unless the user chose: ``KAMERA_THREADS`` (a number, or ``torch`` to leave
   torch's own choice and wait policy alone), then ``OMP_NUM_THREADS``, then a count set with
   ``torch.set_num_threads`` before this module was imported.
 
@@ -65,6 +67,23 @@ def available_cpus() -> int:
     return max(1, cpus)
 
 
+def auto_threads(cpus: int, load: float | None = None) -> tuple[int, str, str]:
+    """The automatic thread count for ``cpus`` usable CPUs and the 1-minute ``load`` average (read when
+    None), as (count, source, reason)."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform
+            load = 0.0
+    n = min(cpus, MAX_AUTO_THREADS)
+    if load >= cpus and cpus > 1:
+        n = max(1, n // 2)
+        why = f"{cpus} usable CPU(s) already oversubscribed (load average {load:.1f}): half of them"
+    else:
+        why = f"{cpus} usable CPU(s) (load average {load:.1f}), at most {MAX_AUTO_THREADS}"
+    return n, "auto", f"{why}; set {THREADS_ENV} to choose"
+
+
 def _parse_threads(value: str, name: str) -> int:
     try:
         n = int(value)
@@ -107,8 +126,7 @@ def _configure() -> ThreadPlan:
         n, source = torch.get_num_threads(), "torch.set_num_threads"
         reason = "a thread count set through torch before kamera_engine was imported"
     else:
-        n, source = min(cpus, MAX_AUTO_THREADS), "auto"
-        reason = f"{cpus} usable CPU(s), at most {MAX_AUTO_THREADS}; set {THREADS_ENV} to choose"
+        n, source, reason = auto_threads(cpus)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return ThreadPlan(n, cpus, source, wait, reason)
@@ -122,8 +140,13 @@ def thread_plan() -> ThreadPlan:
     import torch
 
     if torch.get_num_threads() != _plan.threads:
-        return ThreadPlan(torch.get_num_threads(), _plan.cpus, "changed at run time", _plan.wait_policy,
-                          "torch.set_num_threads was called after kamera_engine was imported")
+        return ThreadPlan(
+            torch.get_num_threads(),
+            _plan.cpus,
+            "changed at run time",
+            _plan.wait_policy,
+            "torch.set_num_threads was called after kamera_engine was imported",
+        )
     return _plan
 
 

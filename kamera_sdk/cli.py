@@ -125,12 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[common, report],
-        help="run a benchmark: operator, window, compare or store (JSON with --json)",
+        help="run a benchmark: operator, window, compare, store or threads (JSON with --json)",
     )
     bench.add_argument(
         "name",
         help="operator (relocation error, eta vs rank, speed), window (agent trace per policy), "
-        "compare (reuse and compression policies side by side), store (load vs recompute per tier)",
+        "compare (reuse and compression policies side by side), store (load vs recompute per tier), "
+        "threads (the demo's work per CPU thread setting, idle and contended)",
     )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(

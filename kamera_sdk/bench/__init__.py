@@ -12,6 +12,7 @@ BENCHES: dict[str, str] = {
     "window": "kamera_sdk.bench.window",
     "compare": "kamera_sdk.bench.compare",
     "store": "kamera_sdk.bench.store",
+    "threads": "kamera_sdk.bench.threads",
 }
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kamera_engine import InvalidInputError
-from kamera_engine.threads import MAX_AUTO_THREADS, available_cpus, set_threads, thread_plan
+from kamera_engine.threads import MAX_AUTO_THREADS, auto_threads, available_cpus, set_threads, thread_plan
 
 _CLEARED = ("OMP_NUM_THREADS", "KAMERA_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "MKL_NUM_THREADS")
 _PROBE = """
@@ -33,9 +33,18 @@ def probe(env: dict[str, str], before: str = "") -> dict:
 
 def test_default_uses_the_usable_cpus_and_passive_waiting() -> None:
     plan = probe({})
-    assert plan["source"] == "auto" and plan["threads"] == min(available_cpus(), MAX_AUTO_THREADS)
+    busy = "oversubscribed" in plan["reason"]  # the load average the child saw decides
+    assert plan["source"] == "auto" and plan["threads"] == auto_threads(available_cpus(), 1e9 if busy else 0.0)[0]
     assert plan["torch"] == plan["threads"] and plan["cpus"] == available_cpus()
     assert plan["wait_env"] == "PASSIVE" and plan["wait_policy"].startswith("passive")
+
+
+def test_auto_halves_on_an_oversubscribed_machine() -> None:
+    assert auto_threads(2, 0.3)[0] == 2 and auto_threads(2, 1.5)[0] == 2
+    n, source, reason = auto_threads(2, 2.0)
+    assert (n, source) == (1, "auto") and "oversubscribed" in reason
+    assert auto_threads(16, 30.0)[0] == MAX_AUTO_THREADS // 2 and auto_threads(16, 3.0)[0] == MAX_AUTO_THREADS
+    assert auto_threads(1, 50.0)[0] == 1
 
 
 def test_user_choices_win() -> None:
