@@ -5,6 +5,9 @@ Importing it registers every model family (text adapters and vision families), s
 serve any of them.
 """
 
+from . import threads as threads  # first: sets OpenMP's wait policy before torch loads (see threads.py)
+
+# isort: split
 from . import vision  # noqa: F401  (registers the vision families' engine with the loader)
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
 from .constrained import Grammar

@@ -54,6 +54,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from kamera_engine import resolve_device
     from kamera_engine.attention import flash_attn_available, resolve_attention
     from kamera_engine.kernels.dispatch import status as gpu_kernel_status
+    from kamera_engine.threads import thread_plan
 
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
@@ -63,7 +64,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
         "flash_attn_installed": flash_attn_available(),
         "gpu_kernels": gpu_kernel_status(),
-        "threads": torch.get_num_threads(),
+        "threads": thread_plan().as_dict(),  # the count, the OpenMP wait policy, and why
     }
     try:
         device = resolve_device(args.device)  # known even if the model then fails to load
@@ -113,14 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[common, report],
-        help="run a benchmark: operator, window, compare, store or serve (JSON with --json)",
+        help="run a benchmark: operator, window, compare, store, gpu, serve or threads (JSON with --json)",
     )
     bench.add_argument(
         "name",
         help="operator (relocation error, eta vs rank, speed), window (agent trace per policy), "
         "compare (reuse and compression policies side by side), store (load vs recompute per tier), "
         "gpu (the GPU suite on CUDA, kept as docs/results/gpu-<device>.json), "
-        "serve (concurrent sessions on one server, batched vs one at a time)",
+        "serve (concurrent sessions on one server, batched vs one at a time), "
+        "threads (the demo slice per thread setting, idle and under a competing process)",
     )
     bench.add_argument("--shape", default=None, help="operator only: a random-weight model of this architecture")
     bench.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")

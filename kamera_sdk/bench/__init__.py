@@ -14,6 +14,7 @@ BENCHES: dict[str, str] = {
     "store": "kamera_sdk.bench.store",
     "gpu": "kamera_sdk.bench.gpu",
     "serve": "kamera_sdk.bench.serve",
+    "threads": "kamera_sdk.bench.threads",
 }
 
 

@@ -16,6 +16,7 @@ submitted per token so concurrent sessions interleave. Endpoints (JSON; errors a
     POST   /v1/sessions/{id}/logprobs       next-token log-probs (full vector or top-k)
     GET    /v1/sessions/{id}/stats          WindowStats
     POST   /v1/chat/completions             OpenAI-compatible, streaming included
+    POST   /v1/completions                  OpenAI's legacy completions (``completions.py``)
     GET    /v1/models
 """
 
@@ -43,6 +44,7 @@ from ..store import default_store_path, open_store
 from ..window import ContextWindow
 from . import chat as chat_ops
 from . import ops
+from .completions import router as completions_router
 from .errors import (
     AuthenticationError,
     PayloadTooLargeError,
@@ -252,6 +254,7 @@ def create_app(
     app.state.kamera = state
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     _install_error_handlers(app)
+    app.include_router(completions_router)
 
     worker, sessions = state.worker, state.sessions
 

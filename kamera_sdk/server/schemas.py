@@ -331,3 +331,55 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- OpenAI-compatible (legacy) completions --------------------------------------------------------
+class CompletionRequest(_Lenient):
+    """The subset of OpenAI's legacy completions request Kamera serves; other fields are ignored.
+
+    ``prompt``: one text or one list of token ids (a list holding one of them is accepted too).
+    ``session``: continue after that session's window; without it the prompt is read with no context
+    at all, a plain language-model continuation. ``logprobs``: the top-k alternatives per token (0-5).
+    ``echo``: return (and score) the prompt too. ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1.
+    """
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    session: str | None = Field(None, max_length=128)
+
+
+class CompletionLogprobs(BaseModel):
+    """Per returned token: its text, log-probability (None for a first token with no context before it),
+    the ``logprobs`` best alternatives, and its character offset in the returned text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None

@@ -33,6 +33,14 @@ def test_doctor_reports_device_and_attention_when_the_model_does_not_load(capsys
     assert report["error"].startswith("InvalidInputError: unknown device 'bogus'") and "device" not in report
 
 
+def test_doctor_says_what_threads_the_engine_chose_and_why(capsys, tmp_path) -> None:
+    import torch
+
+    main(["doctor", "--json", "--model", str(tmp_path / "missing")])
+    threads = json.loads(capsys.readouterr().out)["threads"]
+    assert threads["threads"] == torch.get_num_threads() and threads["reason"] and threads["wait_policy"]
+
+
 def test_unknown_bench_is_a_clear_error(capsys) -> None:
     assert main(["bench", "nope", "--model", "/nonexistent"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err

@@ -1,0 +1,162 @@
+"""How many CPU threads the engine's kernels use, and how idle threads wait.
+
+torch runs its CPU kernels on an OpenMP pool that, by default, takes one thread per core and keeps idle
+threads spinning between kernels. On a machine that also runs other work (a browser, tools, another
+agent), a spinning or descheduled thread stalls every parallel region: on a shared 2-core machine one
+competing process made the demo ten times slower. The policy here keeps contention from compounding:
+
+* idle threads sleep instead of spin (``OMP_WAIT_POLICY=PASSIVE`` and ``KMP_BLOCKTIME=0``). OpenMP reads
+  these once, when torch loads its library, so this module sets them at ``kamera_engine`` import, and only
+  when torch is not imported yet and the user has not set them;
+* the intra-op thread count is the CPUs this process may use (affinity and cgroup quota), capped at
+  :data:`MAX_AUTO_THREADS`; half of them when the machine is already oversubscribed (a 1-minute load
+  average at or above the CPU count: every thread is then descheduled often, and each parallel region
+  waits for its slowest thread). Unless the user chose: ``KAMERA_THREADS`` (a number, or ``torch`` to leave
+  torch's own choice and wait policy alone), then ``OMP_NUM_THREADS``, then a count set with
+  ``torch.set_num_threads`` before this module was imported.
+
+:func:`thread_plan` says what was chosen and why (``kamera doctor`` prints it); :func:`set_threads`
+changes the count at run time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import InvalidInputError
+
+#: the most threads chosen automatically: a small model's kernels gain little past this, and a shared
+#: machine loses less when a descheduled thread stalls a parallel region
+MAX_AUTO_THREADS = 8
+#: the environment variables that override the automatic choice, most specific first
+THREADS_ENV = "KAMERA_THREADS"
+#: OpenMP runtimes' wait settings: GNU libgomp reads the first, Intel/LLVM OpenMP the second
+_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """The engine's CPU threading: ``threads`` intra-op threads and how idle ones wait, with the reason."""
+
+    threads: int
+    cpus: int
+    source: str  # KAMERA_THREADS, OMP_NUM_THREADS, torch.set_num_threads, auto, set_threads or torch
+    wait_policy: str
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, lowered by a cgroup v2 CPU quota if one is set."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def auto_threads(cpus: int, load: float | None = None) -> tuple[int, str, str]:
+    """The automatic thread count for ``cpus`` usable CPUs and the 1-minute ``load`` average (read when
+    None), as (count, source, reason)."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform
+            load = 0.0
+    n = min(cpus, MAX_AUTO_THREADS)
+    if load >= cpus and cpus > 1:
+        n = max(1, n // 2)
+        why = f"{cpus} usable CPU(s) already oversubscribed (load average {load:.1f}): half of them"
+    else:
+        why = f"{cpus} usable CPU(s) (load average {load:.1f}), at most {MAX_AUTO_THREADS}"
+    return n, "auto", f"{why}; set {THREADS_ENV} to choose"
+
+
+def _parse_threads(value: str, name: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise InvalidInputError(f"{name}={value!r}: expected a positive thread count or 'torch'") from None
+    if n < 1:
+        raise InvalidInputError(f"{name}={value!r}: expected a positive thread count or 'torch'")
+    return n
+
+
+def _set_wait_policy(torch_loaded: bool) -> str:
+    """Make idle OpenMP threads sleep, if it is still possible and the user did not choose; describe it."""
+    user = {k: os.environ[k] for k in _WAIT_ENV if k in os.environ}
+    if user:
+        return "as set: " + ", ".join(f"{k}={v}" for k, v in user.items())
+    if torch_loaded:
+        return "torch default (torch was imported before kamera_engine, too late to change it)"
+    os.environ.update(_WAIT_ENV)
+    return "passive (" + ", ".join(f"{k}={v}" for k, v in _WAIT_ENV.items()) + ")"
+
+
+def _configure() -> ThreadPlan:
+    torch_loaded = "torch" in sys.modules
+    cpus = available_cpus()
+    chosen = os.environ.get(THREADS_ENV, "").strip()
+    if chosen.lower() == "torch":
+        import torch
+
+        return ThreadPlan(torch.get_num_threads(), cpus, "torch", "torch default", f"{THREADS_ENV}=torch")
+    wait = _set_wait_policy(torch_loaded)
+    import torch  # after the wait policy: OpenMP reads it when torch's library loads
+
+    if chosen:
+        n = _parse_threads(chosen, THREADS_ENV)
+        source, reason = THREADS_ENV, f"{THREADS_ENV}={n}"
+    elif os.environ.get("OMP_NUM_THREADS", "").strip():
+        n, source = torch.get_num_threads(), "OMP_NUM_THREADS"
+        reason = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (respected; {THREADS_ENV} overrides)"
+    elif torch_loaded and torch.get_num_threads() != cpus:
+        n, source = torch.get_num_threads(), "torch.set_num_threads"
+        reason = "a thread count set through torch before kamera_engine was imported"
+    else:
+        n, source, reason = auto_threads(cpus)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return ThreadPlan(n, cpus, source, wait, reason)
+
+
+_plan: ThreadPlan = _configure()
+
+
+def thread_plan() -> ThreadPlan:
+    """What the engine chose for CPU threads and why (the current count, if changed since)."""
+    import torch
+
+    if torch.get_num_threads() != _plan.threads:
+        return ThreadPlan(
+            torch.get_num_threads(),
+            _plan.cpus,
+            "changed at run time",
+            _plan.wait_policy,
+            "torch.set_num_threads was called after kamera_engine was imported",
+        )
+    return _plan
+
+
+def set_threads(n: int) -> ThreadPlan:
+    """Use ``n`` intra-op threads from now on (the wait policy is fixed once torch has loaded)."""
+    global _plan
+    import torch
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidInputError(f"threads must be a positive int, got {n!r}")
+    torch.set_num_threads(n)
+    _plan = ThreadPlan(n, _plan.cpus, "set_threads", _plan.wait_policy, f"set_threads({n})")
+    return _plan
