@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kamera-installed
 
-.PHONY: demo test test-oldest lint bench docs clean
+.PHONY: demo servers test test-oldest lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,9 +19,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kamera demo
 
-test: $(STAMP)
+# Servers the tests start on loopback: redis-server is Debian's package (none on PyPI), installed when missing;
+# under `make test` a test that finds no server fails instead of skipping (KAMERA_REQUIRE_SERVERS=1).
+servers:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (Debian package) for the Redis store tests"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; \
+	} || { echo "make test needs redis-server: apt-get install -y redis-server"; exit 1; }
+
+test: $(STAMP) servers
 	$(BIN)/ruff check . && $(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	KAMERA_REQUIRE_SERVERS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 # The oldest transformers pyproject.toml admits, installed beside the venv's (not over it), and the fast
 # engine, vision and compression tests run again on it; the first check fails if it is not the one imported.

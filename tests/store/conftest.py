@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -86,6 +86,12 @@ def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int] | str:
     return f"redis-server failed to start 3 times ({last_error}); log: {tail}"
 
 
+def _unavailable(why: str) -> NoReturn:
+    if os.environ.get("KAMERA_REQUIRE_SERVERS") == "1":
+        pytest.fail(f"redis-server is required here (KAMERA_REQUIRE_SERVERS=1): {why}", pytrace=False)
+    pytest.skip(f"REDIS STORE TESTS SKIPPED: {why}")
+
+
 def _stop(server: subprocess.Popen[bytes]) -> None:
     server.terminate()
     try:
@@ -99,11 +105,12 @@ def _stop(server: subprocess.Popen[bytes]) -> None:
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on 127.0.0.1 (free port, temp dir, no persistence), stopped after the session.
 
-    Skips, saying exactly why, only when the server or redis-py is truly unavailable.
+    Without one the tests skip, saying exactly why; under ``make test`` (``KAMERA_REQUIRE_SERVERS=1``, which
+    installs redis-server first) they fail instead: a missing server there is a broken set-up, not a skip.
     """
     started = _start_redis(tmp_path_factory.mktemp("redis"))
     if isinstance(started, str):
-        pytest.skip(f"REDIS STORE TESTS SKIPPED: {started}")
+        _unavailable(started)
     server, port = started
     try:
         yield f"redis://127.0.0.1:{port}/0"
@@ -116,7 +123,7 @@ def doomed_redis(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, Callable
     """A second, private redis-server: (url, stop) so a test can make the server go away."""
     started = _start_redis(tmp_path)
     if isinstance(started, str):
-        pytest.skip(f"REDIS STORE TESTS SKIPPED: {started}")
+        _unavailable(started)
     server, port = started
     try:
         yield f"redis://127.0.0.1:{port}/0", lambda: _stop(server)
