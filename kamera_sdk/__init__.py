@@ -12,10 +12,12 @@ from kamera_engine import (
     KV,
     ChecksumError,
     ChunkNotFoundError,
+    ConstraintError,
     ContextLengthError,
     Engine,
     EngineInfo,
     FingerprintMismatchError,
+    Grammar,
     InvalidInputError,
     KameraError,
     KernelBuildError,
@@ -37,6 +39,7 @@ from .plan import Plan, Source
 from .policies import POLICIES, ReusePolicy, register_policy
 from .stats import WindowStats
 from .store import ChunkStore, open_store
+from .tools import ToolCall, ToolSpec, json_grammar, parse_tool_call, tool_grammar
 from .window import ContextWindow, DisposabilityResult
 
 __version__ = "0.1.0"
@@ -60,6 +63,7 @@ __all__ = [
     "ChunkId",
     "ChunkNotFoundError",
     "ChunkStore",
+    "ConstraintError",
     "ContextLengthError",
     "ContextWindow",
     "DisposabilityResult",
@@ -68,6 +72,7 @@ __all__ = [
     "EnvelopeConfig",
     "EnvelopeDecision",
     "FingerprintMismatchError",
+    "Grammar",
     "InvalidInputError",
     "KameraError",
     "KernelBuildError",
@@ -81,11 +86,16 @@ __all__ = [
     "Source",
     "StoreError",
     "TextStream",
+    "ToolCall",
+    "ToolSpec",
     "UnsupportedModelError",
     "WindowConfig",
     "WindowOperationError",
     "WindowStats",
     "__version__",
+    "json_grammar",
     "open_store",
+    "parse_tool_call",
     "register_policy",
+    "tool_grammar",
 ]
