@@ -18,6 +18,7 @@ from kamera_engine import (
     Engine,
     EngineInfo,
     FingerprintMismatchError,
+    Grammar,
     InvalidInputError,
     KameraError,
     KernelBuildError,
@@ -39,6 +40,7 @@ from .plan import Plan, Source
 from .policies import POLICIES, ReusePolicy, register_policy
 from .stats import WindowStats
 from .store import ChunkStore, open_store
+from .tools import ToolCall, ToolSpec, json_grammar, parse_tool_call, tool_grammar
 from .window import ContextWindow, DisposabilityResult
 
 __version__ = "0.1.0"
@@ -72,6 +74,7 @@ __all__ = [
     "EnvelopeConfig",
     "EnvelopeDecision",
     "FingerprintMismatchError",
+    "Grammar",
     "InvalidInputError",
     "KameraError",
     "KernelBuildError",
@@ -85,11 +88,16 @@ __all__ = [
     "Source",
     "StoreError",
     "TextStream",
+    "ToolCall",
+    "ToolSpec",
     "UnsupportedModelError",
     "WindowConfig",
     "WindowOperationError",
     "WindowStats",
     "__version__",
+    "json_grammar",
     "open_store",
+    "parse_tool_call",
     "register_policy",
+    "tool_grammar",
 ]

@@ -1,7 +1,8 @@
 """LangChain messages -> (role, text): what each message contributes to its chunk.
 
-Tool calls on an AI message are written out as ``<tool_call>{json}</tool_call>`` lines (the Hermes /
-Qwen convention), tool results as a ``tool`` turn. Image parts raise: they need a vision-language
+Tool calls on an AI message are written out as the JSON objects a constrained answer emits
+(``{"name":...,"arguments":{...}}``, one per line, see ``_tools``), so a call the model made reads the same
+when it comes back as history; tool results are a ``tool`` turn. Image parts raise: they need a vision-language
 engine, and a silently dropped image would make the answer about something the model never saw.
 """
 
@@ -26,7 +27,16 @@ _IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
 #: Parts that are not sent as text: tool calls (rendered from ``AIMessage.tool_calls``) and earlier
 #: reasoning (chat templates drop it from history too).
 _SKIPPED_PARTS = frozenset(
-    {"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "reasoning", "thinking"}
+    {
+        "tool_call",
+        "tool_call_chunk",
+        "invalid_tool_call",
+        "server_tool_call",
+        "tool_use",  # Anthropic's form of a call in the content; AIMessage.tool_calls carries it too
+        "function_call",
+        "reasoning",
+        "thinking",
+    }
 )
 
 
@@ -53,12 +63,31 @@ def message_text(message: BaseMessage) -> str:
     """The message's text: its text parts joined, plus its tool calls written out."""
     text = _content_text(message.content)
     if isinstance(message, AIMessage) and message.tool_calls:
-        calls = [
-            "<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["args"]}, sort_keys=True) + "\n</tool_call>"
-            for c in message.tool_calls
-        ]
+        calls = [call_text(c["name"], c["args"]) for c in message.tool_calls]
         text = "\n".join([text, *calls]) if text else "\n".join(calls)
     return text
+
+
+def call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call as the model emits it under ``kamera_sdk.tool_grammar`` (compact JSON, name first)."""
+    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False)
+
+
+def message_payload(message: BaseMessage) -> dict[str, Any]:
+    """The message as an OpenAI chat message for a server: role, text, and its tool calls or call id."""
+    payload: dict[str, Any] = {"role": message_role(message), "content": _content_text(message.content)}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        payload["tool_calls"] = [
+            {
+                "id": c.get("id") or f"call_{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)},
+            }
+            for i, c in enumerate(message.tool_calls)
+        ]
+    if isinstance(message, ToolMessage):
+        payload["tool_call_id"] = message.tool_call_id
+    return payload
 
 
 def _content_text(content: str | list[Any]) -> str:

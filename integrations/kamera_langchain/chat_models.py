@@ -8,21 +8,28 @@ prefilled; ``response_metadata["kamera"]`` says how much that was.
 With ``base_url`` the windows live on a ``kamera serve`` server instead (one server session per
 ``session_id``, reached through ``kamera_sdk.RemoteWindow``): the server's chat endpoint makes the window
 hold the message list with the same reuse, so several agents and apps share one engine.
+
+``bind_tools`` and ``with_structured_output`` hold the answer to a grammar (``kamera_sdk.tool_grammar``,
+``json_grammar``): a tool call or a JSON document that parses, whatever the model's size.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolCall
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from kamera_sdk import (
@@ -41,11 +48,24 @@ from kamera_sdk import (
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
-from ._messages import message_role, message_text
+from ._messages import message_payload, message_role, message_text
+from ._structured import structured
+from ._tools import (
+    AnswerShape,
+    answer_shape,
+    choice_name,
+    remote_tool_choice,
+    tool_chunk,
+    tool_message,
+    tool_specs,
+    tools_prompt,
+)
 
 #: Name reported before the default engine is loaded (``Engine.load()`` names it the same).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_CALL_KWARGS = frozenset({"session_id", "max_tokens", "temperature", "top_p", "seed"})
+_CALL_KWARGS = frozenset(
+    {"session_id", "max_tokens", "temperature", "top_p", "seed", "tools", "tool_choice", "response_format"}
+)
 
 _load_lock = threading.Lock()
 _loaded: dict[tuple[str | None, str | None], Engine] = {}
@@ -99,6 +119,7 @@ class _Call:
     computed: int = 0  # window tokens a forward computed this call (WindowStats.computed_since)
     chunks: int = 0
     stream: TextStream | None = None  # the answer's decode: its tokens and finish_reason
+    shape: AnswerShape = field(default_factory=AnswerShape)  # tools it may call, grammar it is held to
 
 
 class ChatKamera(BaseChatModel):
@@ -284,17 +305,60 @@ class ChatKamera(BaseChatModel):
         return engine.tokenize(text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
-        """Tokens the messages occupy in the window (exact: the rendered chunks). For ``trim_messages``."""
-        if tools:
-            raise InvalidInputError("ChatKamera does not bind tools; count messages only")
-        engine, _ = self._chat()
-        return sum(len(engine.tokenize(t)) for t in self.render(messages))
+        """Tokens the messages occupy in the window (exact: the rendered chunks), with ``tools`` the turn that
+        describes them. For ``trim_messages``."""
+        engine, fmt = self._chat()
+        shape = answer_shape([convert_to_openai_tool(t) for t in tools], "auto", None) if tools else AnswerShape()
+        return sum(len(engine.tokenize(t)) for t in self._texts(messages, shape, fmt))
+
+    def _texts(self, messages: Sequence[BaseMessage], shape: AnswerShape, fmt: ChatFormat) -> list[str]:
+        """The call's chunk texts: the tools' description turn (when it may call tools), then each message."""
+        head = [fmt.render("system", tools_prompt(shape.tools, shape.choice))] if shape.calls_tools else []
+        return head + [fmt.render(message_role(m), message_text(m)) for m in messages]
+
+    # --- tools and structured output -----------------------------------------------------------
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | dict[str, Any] | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with ``tools`` it may call (LangChain tools, pydantic models, functions or OpenAI tool
+        dicts). ``tool_choice``: ``None``/``"auto"`` (a call or a text answer, the model decides), ``"any"``
+        or ``"required"`` (a call of one of them), a tool's name (a call of that one), ``"none"``. Every call
+        is decoded under the tools' grammar, so it parses and its arguments follow the tool's schema (objects
+        that list their properties admit no others). Tool names must be unique when the model is called."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        choice = choice_name(tool_choice)
+        names = [t.name for t in tool_specs(formatted)]  # a bad tool is refused now
+        if choice not in ("auto", "required", "none") and choice not in names:
+            raise InvalidInputError(f"tool_choice names {choice!r}, which is not among the tools {names}")
+        return self.bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """This model answering with ``schema`` (a pydantic model: instances; a TypedDict or JSON schema:
+        dicts). ``method``: ``"json_schema"`` (decoded under the schema), ``"function_calling"`` (a forced
+        call of a tool whose arguments are the schema) or ``"json_mode"`` (any JSON object, parsed with the
+        schema). ``include_raw``: ``{"raw", "parsed", "parsing_error"}``. Decoding is always strict, so
+        ``strict`` changes nothing."""
+        if kwargs:
+            raise InvalidInputError(f"with_structured_output got unsupported arguments {sorted(kwargs)}")
+        return structured(self, schema, method, include_raw)
 
     # --- calls ---------------------------------------------------------------------------------
     def _session_and_sampling(
         self, stop: list[str] | None, run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any]
-    ) -> tuple[str, dict[str, Any]]:
-        """The call's session and sampling options, checked before any window is touched."""
+    ) -> tuple[str, dict[str, Any], AnswerShape]:
+        """The call's session, sampling options and answer shape, checked before any window is touched."""
         unknown = set(kwargs) - _CALL_KWARGS
         if unknown:
             raise InvalidInputError(f"ChatKamera got unsupported call arguments {sorted(unknown)}")
@@ -316,7 +380,8 @@ class ChatKamera(BaseChatModel):
             "stop": list(stop_seqs) if stop_seqs else None,
         }
         SamplingParams(**{**sampling, "stop": tuple(sampling["stop"] or ())}).validate()
-        return session, sampling
+        shape = answer_shape(kwargs.get("tools"), kwargs.get("tool_choice"), kwargs.get("response_format"))
+        return session, sampling, shape
 
     def _prepare(
         self,
@@ -325,15 +390,15 @@ class ChatKamera(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
     ) -> _Call:
-        session, sampling = self._session_and_sampling(stop, run_manager, kwargs)
-        texts = self.render(messages)  # raises on image parts before anything changes
+        session, sampling, shape = self._session_and_sampling(stop, run_manager, kwargs)
         engine, fmt = self._chat()
+        texts = self._texts(messages, shape, fmt)  # raises on image parts before anything changes
         conv, prompt = self._conversation(session), engine.tokenize(fmt.generation)
         win = conv.window
         if win.config.budget_tokens is None:  # the window will hold exactly these messages: fit them now
             held = len(win.engine.anchor_ids) + sum(len(win.engine.tokenize(t)) for t in texts)
             win.engine.check_length(held + len(prompt), new_tokens=sampling["max_new_tokens"])
-        return _Call(conv, texts, prompt, sampling, session)
+        return _Call(conv, texts, prompt, {**sampling, "grammar": shape.grammar}, session, shape=shape)
 
     def _decode(self, call: _Call) -> Iterator[str]:
         """Bring the window to the message list, then stream the reply (the session is locked meanwhile)."""
@@ -377,20 +442,26 @@ class ChatKamera(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
         stream: bool,
-    ) -> tuple[Any, str]:
+    ) -> tuple[Any, str, AnswerShape]:
         """Send the message list to the server's chat endpoint on the session's window."""
-        session, sampling = self._session_and_sampling(stop, run_manager, kwargs)
+        session, sampling, shape = self._session_and_sampling(stop, run_manager, kwargs)
         if not messages:
             raise InvalidInputError("a chat call needs at least one message")
-        payload = [{"role": message_role(m), "content": message_text(m)} for m in messages]
-        options = {
+        payload = [message_payload(m) for m in messages]
+        options: dict[str, Any] = {
             "max_tokens": sampling["max_new_tokens"],
             "temperature": sampling["temperature"],
             "top_p": sampling["top_p"],
             "seed": sampling["seed"],
             "stop": sampling["stop"],
         }
-        return self._remote_window(session).chat(payload, stream=stream, **options), session
+        if shape.calls_tools:  # the server holds the model to the tools; the description is sent from here
+            payload.insert(0, {"role": "system", "content": tools_prompt(shape.tools, shape.choice)})
+            options["tools"] = [{"type": "function", "function": t.model_dump()} for t in shape.tools]
+            options["tool_choice"] = remote_tool_choice(shape.choice)
+        elif shape.response_format is not None:
+            options["response_format"] = shape.response_format
+        return self._remote_window(session).chat(payload, stream=stream, **options), session, shape
 
     def _remote_finish(
         self, session: str, model: str, usage: Any, finish: str | None
@@ -421,18 +492,40 @@ class ChatKamera(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         if self.base_url is not None:
-            answer, session = self._remote_chat(messages, stop, run_manager, kwargs, stream=False)
-            choice = answer.choices[0]
-            usage, meta = self._remote_finish(session, answer.model, answer.usage, choice.finish_reason)
-            message = AIMessage(content=choice.message.content or "", usage_metadata=usage, response_metadata=meta)
-            info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
-            return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
-        call = self._prepare(messages, stop, run_manager, kwargs)
-        text = "".join(self._decode(call))
-        usage, meta = self._finish(call)
-        message = AIMessage(content=text, usage_metadata=usage, response_metadata=meta)
+            message = self._remote_reply(messages, stop, run_manager, kwargs)
+        else:
+            call = self._prepare(messages, stop, run_manager, kwargs)
+            text = "".join(self._decode(call))
+            message = self._reply(call, text)
+        meta = message.response_metadata
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    def _reply(self, call: _Call, text: str) -> AIMessage:
+        """The reply of a finished in-process call: a tool call when the model made one, else the text."""
+        usage, meta = self._finish(call)
+        if not call.shape.calls_tools:
+            return AIMessage(content=text, usage_metadata=usage, response_metadata=meta)
+        message, meta["finish_reason"] = tool_message(text, call.shape, meta["finish_reason"])
+        return message.model_copy(update={"usage_metadata": usage, "response_metadata": meta})
+
+    def _remote_reply(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+    ) -> AIMessage:
+        """The server's whole answer as a reply (its tool calls as LangChain's)."""
+        answer, session, _ = self._remote_chat(messages, stop, run_manager, kwargs, stream=False)
+        choice = answer.choices[0]
+        usage, meta = self._remote_finish(session, answer.model, answer.usage, choice.finish_reason)
+        calls = [
+            ToolCall(name=c.function.name, args=json.loads(c.function.arguments), id=c.id, type="tool_call")
+            for c in choice.message.tool_calls or []
+        ]
+        content = choice.message.content or ""
+        return AIMessage(content=content, tool_calls=calls, usage_metadata=usage, response_metadata=meta)
 
     def _stream(
         self,
@@ -441,12 +534,31 @@ class ChatKamera(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        """Text pieces as they are decoded. With tools, an answer that opens with ``{`` is a call: it is held
+        back and sent as one chunk with the parsed call (a text answer still streams)."""
+        if self.base_url is not None and kwargs.get("tools") and kwargs.get("tool_choice") != "none":
+            whole = self._remote_reply(messages, stop, run_manager, kwargs)  # the server holds a call back too
+            yield ChatGenerationChunk(message=tool_chunk(whole))
+            meta = whole.response_metadata
+            info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
+            last = AIMessageChunk(
+                content="", usage_metadata=whole.usage_metadata, response_metadata=meta, chunk_position="last"
+            )
+            yield ChatGenerationChunk(message=last, generation_info=info)
+            return
         if self.base_url is not None:
-            pieces, session = self._remote_chat(messages, stop, run_manager, kwargs, stream=True)
+            pieces, session, shape = self._remote_chat(messages, stop, run_manager, kwargs, stream=True)
         else:
             call = self._prepare(messages, stop, run_manager, kwargs)
-            pieces = self._decode(call)
+            pieces, shape = self._decode(call), call.shape
+        held: list[str] | None = [] if shape.calls_tools else None  # text until it is known not to be a call
         for piece in pieces:
+            if held is not None:
+                held.append(piece)
+                start = "".join(held).lstrip()
+                if not start or start.startswith("{"):
+                    continue
+                piece, held = "".join(held), None
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -456,6 +568,9 @@ class ChatKamera(BaseChatModel):
             usage, meta = self._remote_finish(session, model, pieces.usage, pieces.finish_reason)
         else:
             usage, meta = self._finish(call)
+        if held:
+            message, meta["finish_reason"] = tool_message("".join(held), shape, meta["finish_reason"])
+            yield ChatGenerationChunk(message=tool_chunk(message))
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         last = AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last")
         yield ChatGenerationChunk(message=last, generation_info=info)

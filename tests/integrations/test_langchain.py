@@ -89,8 +89,13 @@ def test_format_falls_back_per_role_and_without_template() -> None:
 
 def test_tool_calls_and_results_are_text() -> None:
     ai = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}])
-    assert message_text(ai) == '<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>'
+    assert message_text(ai) == '{"name":"add","arguments":{"a":1,"b":2}}'  # as a constrained call is emitted
     assert message_text(ToolMessage("3", tool_call_id="c1")) == "3"
+    anthropic = AIMessage(
+        [{"type": "text", "text": "let me add"}, {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1}}],
+        tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c1"}],
+    )
+    assert message_text(anthropic) == 'let me add\n{"name":"add","arguments":{"a":1}}'  # the call once
     parts = HumanMessage(content=[{"type": "text", "text": "a"}, "b"])
     assert message_text(parts) == "ab"
 
@@ -203,6 +208,8 @@ def test_bad_arguments(tiny: Engine) -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         ChatKamera(engine=tiny, policy="nope")
     with pytest.raises(InvalidInputError, match="unsupported call arguments"):
+        chat(tiny).invoke("hi", functions=[{"name": "x"}])
+    with pytest.raises(InvalidInputError, match="OpenAI tool dict"):
         chat(tiny).invoke("hi", tools=[{"name": "x"}])
     with pytest.raises(InvalidInputError, match="at least one message"):
         chat(tiny).invoke([])

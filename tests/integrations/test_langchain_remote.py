@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel
 
 from kamera_langchain import ChatKamera
 from kamera_sdk import Engine, InvalidInputError, KameraError, RemoteWindow
@@ -31,7 +34,7 @@ def server(tiny: Engine) -> Iterator[LiveServer]:
 
 
 def remote(server: LiveServer, **kw: object) -> ChatKamera:
-    return ChatKamera(base_url=server.url, api_key=server.api_key, max_tokens=4, **kw)
+    return ChatKamera(base_url=server.url, api_key=server.api_key, **{"max_tokens": 4, **kw})
 
 
 def _server_answer(server: LiveServer, messages: list[dict[str, str]]) -> str:
@@ -116,3 +119,32 @@ def test_store_option_shares_canonicals_across_models(tiny: Engine, tmp_path: Pa
     assert again.content == reply.content
     assert second.window().store is not first_win.store
     assert second.window().store.stats().backend_hits > 0  # canonicals read back, not computed again
+
+
+@tool
+def switch(on: bool, room: Literal["kitchen", "hall"]) -> str:
+    """Turn the light in a room on or off."""
+    return "done"
+
+
+class Mood(BaseModel):
+    mood: Literal["happy", "sad"]
+    sure: bool
+
+
+def test_tools_and_structured_output_run_on_the_server(server: LiveServer) -> None:
+    llm = remote(server, max_tokens=40).bind_tools([switch], tool_choice="switch")
+    call = llm.invoke([HumanMessage("Turn on the kitchen light.")])
+    assert len(call.tool_calls) == 1 and call.tool_calls[0]["name"] == "switch" and call.tool_calls[0]["id"]
+    assert set(call.tool_calls[0]["args"]) == {"on", "room"} and call.response_metadata["finish_reason"] == "tool_calls"
+    chunks = list(llm.stream([HumanMessage("Turn on the kitchen light.")]))
+    full = chunks[0]
+    for c in chunks[1:]:
+        full += c
+    assert [c["name"] for c in full.tool_calls] == ["switch"]
+    # the call and its result go back to the server as an assistant tool_calls message and a tool message
+    result = ToolMessage("done", tool_call_id=call.tool_calls[0]["id"])
+    history = [HumanMessage("Turn on the kitchen light."), call, result]
+    assert remote(server, max_tokens=3).invoke(history).tool_calls == []
+    mood = remote(server, max_tokens=40).with_structured_output(Mood).invoke("How do I feel?")
+    assert isinstance(mood, Mood)
