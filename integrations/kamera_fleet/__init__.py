@@ -11,6 +11,7 @@ from .app import FleetConfig, build_app
 from .ingress import FleetIngress, route_key
 from .journal import JournalLostError, SessionJournal, WindowRecord
 from .replica import KameraReplica
+from .router import SessionRouter
 
 __all__ = [
     "FleetConfig",
@@ -18,6 +19,7 @@ __all__ = [
     "JournalLostError",
     "KameraReplica",
     "SessionJournal",
+    "SessionRouter",
     "WindowRecord",
     "build_app",
     "route_key",

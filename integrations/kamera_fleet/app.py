@@ -8,11 +8,13 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from kamera_sdk import Engine, InvalidInputError
 
 from .ingress import FleetIngress
 from .replica import KameraReplica
+from .router import SessionRouter
 
 
 @dataclass
@@ -60,6 +62,10 @@ def build_app(config: FleetConfig) -> Application:
         ray_actor_options={"num_cpus": config.replica_cpus},
         max_ongoing_requests=config.max_ongoing_requests,
         graceful_shutdown_timeout_s=30,
+        request_router_config=RequestRouterConfig(
+            request_router_class=SessionRouter,
+            request_router_kwargs={"redis_url": config.store_url, "prefix": config.journal_prefix},
+        ),
         **config.scaling(),
     ).bind(
         config.engine_factory,

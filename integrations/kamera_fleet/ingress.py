@@ -1,8 +1,8 @@
 """The fleet's HTTP ingress: reads which session a request is for and hands it to the replica holding it.
 
-Routing is Ray Serve's model multiplexing with the session id as the model id: a replica reports the
-session ids it holds (``KameraReplica.hold``), the router sends a request with that id to one of them,
-and an id no replica holds goes to the replica holding the fewest (the least loaded). New sessions get
+Each request carries its session id as Ray Serve's multiplexed model id; ``SessionRouter`` (router.py)
+sends it to the session's owner, and a session no running replica owns to the replica holding the fewest
+sessions (the least loaded). New sessions get
 their id here, before routing, so the create lands on the least-loaded replica under its final id. A
 request whose replica dies before it answered is retried on another (same request id: a mutating request
 the dead replica had already journaled is answered from the journal, not applied twice); the session is
@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -86,7 +85,7 @@ class FleetIngress:
             try:
                 head = await stream.__anext__()
                 first = await _next_or_none(stream)
-            except _GONE + (RayTaskError,) as exc:
+            except (*_GONE, RayTaskError) as exc:
                 if not _gone(exc) or loop.time() > deadline:
                     raise
                 self.retries += 1

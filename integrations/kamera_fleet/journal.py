@@ -8,7 +8,8 @@ retried after its replica died is answered, not applied twice). Canonicals and p
 are in the shared store, by content hash. Keys, under ``prefix`` (default ``kamera:fleet:``)::
 
     <prefix>s:<session>        hash: version, options (JSON), order (JSON), evicted (JSON), parent,
-                               request (last mutating request id), response (its JSON body)
+                               request (last mutating request id), response (its JSON body), owner
+                               (the replica holding the window: what the router reads)
     <prefix>s:<session>:c      hash: chunk id -> JSON {kind, text, token_ids}
     <prefix>s:<session>:ops    list: JSON {op, version, chunks} in order
     <prefix>rebuilds           list: JSON {session, seconds, tokens, replica} of every rebuild
@@ -141,6 +142,10 @@ class SessionJournal:
     def ops(self, session: str) -> list[dict[str, Any]]:
         """The operations that shaped the session, oldest first."""
         return [json.loads(x) for x in self._call("read", self.client.lrange, self._head(session) + ":ops", 0, -1)]
+
+    def set_owner(self, session: str, replica: str) -> None:
+        """Record the replica holding ``session`` (the router reads it to route the session's requests)."""
+        self._call("write", self.client.hset, self._head(session), "owner", replica)
 
     def delete(self, session: str) -> None:
         head = self._head(session)

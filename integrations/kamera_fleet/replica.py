@@ -56,7 +56,8 @@ async def call_asgi(app: Any, method: str, path: str, query: bytes, headers: lis
             if message is None:
                 break
             if message["type"] == "http.response.start":
-                yield {"status": message["status"], "headers": [(k.decode(), v.decode()) for k, v in message["headers"]]}
+                headers = [(k.decode(), v.decode()) for k, v in message["headers"]]
+                yield {"status": message["status"], "headers": headers}
             elif message["type"] == "http.response.body":
                 if message.get("body"):
                     yield bytes(message["body"])
@@ -192,6 +193,7 @@ class KameraReplica:
         self.state.sessions.add(window, key=session)
         record = WindowRecord(session, 1, options.model_dump(mode="json"), [], [])
         self.journal.write(record, expected=0, op="create", new_chunks={})
+        self.journal.set_owner(session, self.name)
         self.versions[session], self.known[session] = 1, set()
         await self.hold(session)
         state = await self._state_json(session)
@@ -226,6 +228,7 @@ class KameraReplica:
         self.state.sessions.add(window, key=session)
         self.versions[session], self.known[session] = record.version, set(record.chunks)
         self.rebuilt += 1
+        self.journal.set_owner(session, self.name)
         await self.hold(session)
         seconds = time.perf_counter() - t0
         self.journal.record_rebuild({"session": session, "seconds": seconds, "tokens_computed": tokens,
@@ -252,6 +255,7 @@ class KameraReplica:
             parent = self.journal.read(session)
             await self._write(child, op="fork", expected=0, request="", response="", parent=session,
                               options=parent.options if parent else {}, force=True)  # fmt: skip
+            self.journal.set_owner(child, self.name)
             await self.hold(child)
             return
         response = body.decode() if req.get("request") and len(body) < 1 << 16 else ""
