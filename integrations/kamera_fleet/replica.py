@@ -271,6 +271,7 @@ class KameraReplica:
 
         def snapshot() -> tuple[list[str], list[str], dict[str, dict[str, Any]]]:
             win = found.window
+            win.flush()  # patches formed by this request go to the shared store now, not when the window closes
             order, evicted = [str(c) for c in win.chunks], [str(c) for c in win.evicted]
             new = {}
             for cid in order + evicted:
