@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from .console import err, out, write_json
+from .fleet_cli import add_fleet_command
 from .store_cli import add_store_command
 
 
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     serve.set_defaults(func=cmd_serve)
     add_store_command(sub)
+    add_fleet_command(sub)
     return p
 
 

@@ -19,7 +19,6 @@ serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from kamera_fleet import FleetConfig, SessionJournal, build_app  # noqa: E402
-
 from kamera_sdk import ContextWindow, RemoteWindow  # noqa: E402
 from kamera_sdk.server import SessionNotFoundError  # noqa: E402
 from tests.conftest import tiny_chat_engine  # noqa: E402
