@@ -47,11 +47,20 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``RemoteWindow`` / ``AsyncRemoteWindow`` load lazily, so importing the SDK does not need httpx."""
+    """``RemoteWindow`` / ``AsyncRemoteWindow`` load lazily, so importing the SDK does not need httpx; the
+    server's ``create_app`` and its ``SessionCreate`` options (for hosts such as the fleet) need FastAPI."""
     if name in ("RemoteWindow", "AsyncRemoteWindow"):
         from .server import client
 
         return getattr(client, name)
+    if name == "create_app":
+        from .server.app import create_app
+
+        return create_app
+    if name == "SessionCreate":
+        from .server.schemas import SessionCreate
+
+        return SessionCreate
     raise AttributeError(f"module 'kamera_sdk' has no attribute {name!r}")
 
 
@@ -85,6 +94,7 @@ __all__ = [
     "RemoteWindow",
     "ReusePolicy",
     "SamplingParams",
+    "SessionCreate",
     "Source",
     "StoreError",
     "TextStream",
@@ -95,6 +105,7 @@ __all__ = [
     "WindowOperationError",
     "WindowStats",
     "__version__",
+    "create_app",
     "json_grammar",
     "open_store",
     "parse_tool_call",

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from .console import err, print_result
+from .fleet_cli import add_fleet_command
 from .store_cli import add_store_command
 
 
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     serve.set_defaults(func=cmd_serve)
     add_store_command(sub)
+    add_fleet_command(sub)
     return p
 
 

@@ -4,7 +4,8 @@ Tiers: a byte-budgeted host-RAM tier (LRU or LFU, pins) in front of an optional 
 directory of safetensors files with an SQLite index (``DiskBackend``) or a shared Redis
 (``RedisBackend``). Writes are atomic and checksummed; reads verify checksum and model fingerprint, and a
 refused entry is a counted miss. A disk store rebuilds a lost or corrupt index from its entry files;
-``storage_dtype="bfloat16"`` halves the bytes of a float32 model's entries. See docs/storage.md.
+``storage_dtype="bfloat16"`` halves the bytes of a float32 model's entries;
+``secret=`` makes a shared backend accept only entries tagged with that secret's HMAC. See docs/storage.md.
 
     from kamera_sdk.store import open_store, EntryKey, StoreEntry
     store = open_store("/var/lib/kamera")          # or None, or "redis://host:6379/0"
@@ -12,6 +13,7 @@ refused entry is a counted miss. A disk store rebuilds a lost or corrupt index f
     entry = store.get(EntryKey(fp, "canonical", chunk_hash))
 """
 
+from ._auth import EntryAuth, UnauthenticatedEntryError
 from ._backend import Backend
 from ._chunk_store import DEFAULT_MEMORY_BYTES, ChunkStore, StoreStats
 from ._disk import DiskBackend
@@ -34,6 +36,7 @@ __all__ = [
     "BackendFactory",
     "ChunkStore",
     "DiskBackend",
+    "EntryAuth",
     "EntryKey",
     "EntryKind",
     "EvictionPolicy",
@@ -43,6 +46,7 @@ __all__ = [
     "StoreEntry",
     "StoreSpec",
     "StoreStats",
+    "UnauthenticatedEntryError",
     "default_store_path",
     "open_store",
     "register_backend",

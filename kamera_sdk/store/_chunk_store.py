@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError
 
+from ._auth import UnauthenticatedEntryError
 from ._backend import Backend
 from ._entry import EntryKey, EntryKind, StoreEntry
 from ._entry import storage_dtype as _storage_dtype
@@ -46,6 +47,7 @@ class StoreStats(BaseModel):
     bytes_read: int = Field(0, description="serialized bytes read from the backend")
     refused_checksum: int = Field(0, description="loads refused: bytes differ from their checksum")
     refused_fingerprint: int = Field(0, description="loads refused: written by another model")
+    refused_auth: int = Field(0, description="loads refused: no valid MAC under the store's secret (forged)")
     load_errors: int = Field(0, description="loads that failed otherwise (I/O, connection, malformed)")
     evictions: int = Field(0, description="entries evicted from the memory tier")
     backend_evictions: int = Field(0, description="entries the backend evicted for its byte budget")
@@ -188,6 +190,10 @@ class ChunkStore:
             return None
         try:
             entry = self.backend.get(key)
+        except UnauthenticatedEntryError as exc:
+            log.warning("store: refused %s (MAC): %s; recomputing", key.digest[:12], exc)
+            self._count(refused_auth=1, misses=1)
+            return None
         except ChecksumError as exc:
             log.warning("store: refused %s (checksum): %s; recomputing", key.digest[:12], exc)
             self._count(refused_checksum=1, misses=1)

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from kamera_engine.errors import ChecksumError, InvalidInputError, KameraError, StoreError
 
 from . import _rebuild
+from ._auth import EntryAuth
 from ._entry import META_KEY, EntryKey, EntryKind, StoreEntry, decode, header_summary, inspect, read_header
 from ._rebuild import COLUMNS, RebuildReport, fsync_dir, row_values
 from ._registry import register_backend
@@ -101,6 +102,7 @@ class DiskBackend:
         max_bytes: int | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         busy_timeout_s: float = 30.0,
+        auth: EntryAuth | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise InvalidInputError(f"store path must be a non-empty str or path, got {path!r}")
@@ -111,6 +113,7 @@ class DiskBackend:
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_entry_bytes
         self.busy_timeout_s = float(busy_timeout_s)
+        self.auth = auth  # with a secret: entries are written tagged, and read only with a valid tag
         self.evictions = 0
         self.index_rebuilds = 0
         self.last_rebuild: RebuildReport | None = None
@@ -330,7 +333,7 @@ class DiskBackend:
                 self._quarantine_file(key, checksum)
                 raise
             try:
-                entry = decode(blob, key, checksum)
+                entry = decode(blob, key, checksum, self.auth)
             except ChecksumError:
                 again = self._row(key.digest)
                 if again is not None and again[0] != checksum:
@@ -420,7 +423,7 @@ class DiskBackend:
             raise InvalidInputError(f"expected a StoreEntry, got {type(entry).__name__}")
         if self._row(entry.key.digest) is not None:
             return 0
-        blob = entry.encode()
+        blob = entry.encode(self.auth)
         self._check_size(len(blob))  # the file's size, as reads check it
         summary, nbytes = header_summary(read_header(blob)[0])  # what the file holds (compact dtypes too)
         row = (summary, nbytes, json.dumps(entry.meta, sort_keys=True), entry.created_at)

@@ -27,6 +27,8 @@ from safetensors.torch import save as st_save
 
 from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError
 
+from ._auth import EntryAuth
+
 #: Version of the serialized form; a reader refuses any other.
 FORMAT_VERSION = "1"
 #: The one safetensors metadata key Kamera writes.
@@ -178,9 +180,10 @@ class StoreEntry:
         assert self._checksum is not None
         return self._checksum
 
-    def encode(self) -> bytes:
-        """The serialized form: safetensors bytes with the key and meta in the header (deterministic)."""
-        blob = encode(self.key, self.tensors, self.meta, self.storage_dtype)
+    def encode(self, auth: EntryAuth | None = None) -> bytes:
+        """The serialized form: safetensors bytes with the key and meta in the header (deterministic);
+        ``auth``: tagged with that secret's MAC (see ``_auth``)."""
+        blob = encode(self.key, self.tensors, self.meta, self.storage_dtype, auth)
         self._checksum = hashlib.sha256(blob).hexdigest()
         self.stored_nbytes = len(blob)
         return blob
@@ -226,13 +229,17 @@ def _compact(
 
 
 def encode(
-    key: EntryKey, tensors: dict[str, torch.Tensor], meta: dict[str, str], storage: torch.dtype | None = None
+    key: EntryKey,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    storage: torch.dtype | None = None,
+    auth: EntryAuth | None = None,
 ) -> bytes:
     """Serialize tensors under ``key`` (see module docstring for the header layout).
 
     The header records ``data_sha256``, the sha256 of the tensor data section, so a file can be verified
     on its own (an index rebuilt from files trusts no byte it cannot check), and ``cast`` when some
-    tensors were written in the compact ``storage`` dtype.
+    tensors were written in the compact ``storage`` dtype. ``auth``: the header also carries its MAC.
     """
     tensors, cast = _compact(tensors, storage)
     header: dict[str, Any] = {"format": FORMAT_VERSION, **key.to_meta(), "meta": meta}
@@ -246,6 +253,8 @@ def encode(
     (n,) = struct.unpack("<Q", draft[:8])
     data = memoryview(draft)[8 + n :]
     header["data_sha256"] = hashlib.sha256(data).hexdigest()
+    if auth is not None:
+        header = auth.sign(header)
     st_header = json.loads(draft[8 : 8 + n])
     st_header["__metadata__"][META_KEY] = json.dumps(header, sort_keys=True)
     raw = json.dumps(st_header, separators=(",", ":")).encode()
@@ -365,9 +374,10 @@ def inspect(blob: bytes | bytearray | memoryview, label: str = "") -> Inspected:
                      hashlib.sha256(blob).hexdigest(), self_checked)  # fmt: skip
 
 
-def decode(blob: bytes, key: EntryKey, checksum: str | None) -> StoreEntry:
+def decode(blob: bytes, key: EntryKey, checksum: str | None, auth: EntryAuth | None = None) -> StoreEntry:
     """Verify and deserialize ``blob`` as the entry for ``key``; tensors stored in a compact dtype come
-    back in their own dtype.
+    back in their own dtype. ``auth``: the entry must carry that secret's MAC and match the data sha256
+    it covers (``UnauthenticatedEntryError`` otherwise), whatever checksum was recorded beside it.
 
     Raises ChecksumError when the bytes differ from ``checksum`` (or, with no checksum, from the header's
     data sha256, or do not parse), FingerprintMismatchError when the header names another model,
@@ -386,7 +396,9 @@ def decode(blob: bytes, key: EntryKey, checksum: str | None) -> StoreEntry:
     for name, want in key.to_meta().items():
         if info.get(name) != want:
             raise StoreError(f"entry {label} holds another key ({name} differs)")
-    if checksum is None:  # nothing vouches for these bytes but the file itself
+    if auth is not None:  # a recorded checksum is written by whoever wrote the entry: only the MAC vouches
+        auth.verify(info, label)
+    if checksum is None or auth is not None:  # nothing else vouches for these bytes but the file itself
         _check_data(blob, struct.unpack("<Q", bytes(blob[:8]))[0], info, label)
     try:
         tensors = st_load(bytes(blob))

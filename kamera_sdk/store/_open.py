@@ -13,6 +13,7 @@ import torch
 from kamera_engine.errors import InvalidInputError
 
 from . import _disk, _redis  # noqa: F401  (their backends register their schemes)
+from ._auth import EntryAuth
 from ._backend import Backend
 from ._chunk_store import DEFAULT_MEMORY_BYTES, ChunkStore
 from ._eviction import EvictionPolicy
@@ -36,6 +37,7 @@ def open_store(
     max_bytes: int | None = None,
     ttl_s: float | None = None,
     storage_dtype: str | torch.dtype | None = None,
+    secret: str | bytes | None = None,
 ) -> ChunkStore:
     """A ChunkStore for ``spec``.
 
@@ -43,9 +45,15 @@ def open_store(
     it). ``"redis://host:port/db"`` (or ``rediss://``, ``unix://``): a RedisBackend (``ttl_s``,
     ``max_bytes`` per model); any other scheme registered with ``register_backend``. A backend object:
     wrapped. A ChunkStore: returned unchanged. ``storage_dtype`` ("bfloat16", "float16" or None): the
-    dtype floating tensors are written to the backend in (see ``ChunkStore``).
+    dtype floating tensors are written to the backend in (see ``ChunkStore``). ``secret`` (a fleet's shared
+    secret, 16 bytes or more): the backend tags every entry it writes with an HMAC-SHA256 and refuses, counts
+    and deletes any entry read without a valid one (see ``EntryAuth``); it needs a backend with an ``auth``
+    attribute (disk, redis).
     """
+    auth = EntryAuth(secret) if secret is not None else None
     if isinstance(spec, ChunkStore):
+        if auth is not None:
+            raise InvalidInputError("pass the secret when the store is opened, not with an open ChunkStore")
         return spec
     backend: Backend | None
     if spec is None:
@@ -60,6 +68,10 @@ def open_store(
         raise InvalidInputError(
             f"store must be None, a path, a backend URL (redis://...) or a ChunkStore, got {type(spec).__name__}"
         )
+    if auth is not None:
+        if backend is None or not hasattr(backend, "auth"):
+            raise InvalidInputError(f"a store secret needs a backend that tags entries (disk, redis), not {spec!r}")
+        backend.auth = auth
     return ChunkStore(
         memory_bytes=memory_bytes,
         backend=backend,

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from kamera_engine.errors import ChecksumError, InvalidInputError, StoreError
 
+from ._auth import EntryAuth
 from ._entry import EntryKey, EntryKind, StoreEntry, decode, header_summary, read_header
 from ._registry import register_backend
 
@@ -171,7 +172,8 @@ class RedisBackend:
     """Entries in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` or ``unix://``).
 
     ``ttl_s``: entries expire after this many seconds without a read (None: never). ``max_bytes``: serialized
-    bytes kept per model fingerprint; least recently used entries are evicted past it.
+    bytes kept per model fingerprint; least recently used entries are evicted past it. ``auth``: entries
+    carry that secret's MAC and are read only with a valid one (a forged entry is refused and deleted).
     """
 
     name: ClassVar[str] = "redis"
@@ -184,6 +186,7 @@ class RedisBackend:
         *,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         socket_timeout_s: float = 30.0,
+        auth: EntryAuth | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
             raise InvalidInputError(f"redis url must start with one of {URL_SCHEMES}, got {url!r}")
@@ -201,6 +204,7 @@ class RedisBackend:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_entry_bytes
+        self.auth = auth  # with a secret: entries are written tagged, and read only with a valid tag
         self.evictions = 0
         self.index_rebuilds = 0  # every key is its own record: there is no separate index to lose
         self._ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
@@ -247,7 +251,7 @@ class RedisBackend:
         try:
             if checksum is None:
                 raise ChecksumError(f"entry {key.digest[:12]} has no checksum")
-            entry = decode(blob, key, checksum.decode())
+            entry = decode(blob, key, checksum.decode(), self.auth)
         except StoreError:
             # delete only the entry that was read (a concurrent rewrite carries another checksum)
             held = "" if checksum is None else checksum.decode()
@@ -314,7 +318,7 @@ class RedisBackend:
                 return 0
         elif self.contains(entry.key):
             return 0
-        blob = entry.encode()
+        blob = entry.encode(self.auth)
         return self._write(entry.key, blob, entry.checksum, entry.summary(), entry.nbytes, entry.created_at)
 
     def _relist(self, key: EntryKey) -> bool:

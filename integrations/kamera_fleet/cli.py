@@ -1,0 +1,39 @@
+"""``kamera fleet up``: start the fleet on a local Ray cluster, or attach to a running one (``--address``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from functools import partial
+
+from kamera_sdk import Engine
+
+
+def up(args: argparse.Namespace) -> int:
+    """Deploy the fleet and serve until interrupted."""
+    import ray
+    from ray import serve
+
+    from .app import FleetConfig, build_app
+
+    ray.init(address=args.address) if args.address else ray.init(num_cpus=args.num_cpus)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    autoscale = args.min_replicas is not None or args.max_replicas is not None
+    config = FleetConfig(
+        partial(Engine.load, args.model, device=args.device, dtype=args.dtype),
+        args.store,
+        replicas=None if autoscale else args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        secret=args.secret or os.environ.get("KAMERA_FLEET_SECRET") or None,
+        replica_cpus=args.replica_cpus,
+    )
+    serve.run(build_app(config), route_prefix="/", name="kamera")
+    print(f"kamera fleet serving on http://{args.host}:{args.port} (Ctrl-C stops it)")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0

@@ -1,0 +1,201 @@
+"""The fleet on a local Ray cluster and a real redis-server: affinity, failover from the journal, scaling.
+
+One cluster (2 CPUs) and one Redis serve the whole module; the tiny chat engine keeps it fast (its answers'
+content does not matter, only that a rebuilt window answers exactly as the same window built fresh).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+from kamera_fleet import FleetConfig, SessionJournal, build_app  # noqa: E402
+from kamera_sdk import ContextWindow, RemoteWindow  # noqa: E402
+from kamera_sdk.server import SessionNotFoundError  # noqa: E402
+from tests.conftest import tiny_chat_engine  # noqa: E402
+from tests.store.conftest import _free_port, _start_redis, _stop  # noqa: E402
+
+APP = "kamera"
+DOCS = [f"Document {i}: " + " ".join(f"fact{i}-{j} is about topic {j % 7}." for j in range(12)) for i in range(40)]
+PROMPT = "Summarise."
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    started = _start_redis(tmp_path_factory.mktemp("fleet-redis"))
+    if isinstance(started, str):
+        pytest.skip(f"FLEET TESTS SKIPPED: {started}")
+    server, port = started
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _deploy(redis_url: str, replicas: int) -> None:
+    cfg = FleetConfig(tiny_chat_engine, redis_url, replicas=replicas, replica_cpus=0.5, secret="s" * 32)
+    serve.run(build_app(cfg), route_prefix="/", name=APP)
+
+
+def _replica_actors() -> dict[str, Any]:
+    """Replica actor name (which ends in the replica's id) -> its actor."""
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "KameraReplica" in a["name"]]
+    return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in names}
+
+
+def _wait_replicas(n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications[APP].deployments["KameraReplica"]
+        running = status.replica_states.get("RUNNING", 0)
+        if running == n and len(_replica_actors()) == n and str(status.status).endswith("HEALTHY"):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the fleet did not reach {n} running replicas")
+
+
+def _fresh_answer(engine: Any, docs: list[str]) -> str:
+    with ContextWindow(engine) as win:
+        for d in docs:
+            win.add_text(d)
+        return win.generate(PROMPT, max_new_tokens=6)
+
+
+def _answer(url: str, sid: str) -> str:
+    with RemoteWindow(url, session_id=sid, timeout=300) as w:
+        return w.generate(PROMPT, max_new_tokens=6)
+
+
+def _open_session(url: str, docs: list[str]) -> tuple[str, str]:
+    """A session holding ``docs``; (its id, the replica that holds it)."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        r = c.post("/v1/sessions", json={})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        replicas = {r.headers["x-kamera-replica"]}
+        for d in docs:
+            r = c.post(f"/v1/sessions/{sid}/chunks", json={"text": d})
+            assert r.status_code == 201, r.text
+            replicas.add(r.headers["x-kamera-replica"])
+        r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": PROMPT, "max_new_tokens": 6})
+        assert r.status_code == 200, r.text
+        replicas.add(r.headers["x-kamera-replica"])
+    assert len(replicas) == 1, f"one session's requests reached {replicas}"
+    return sid, replicas.pop()
+
+
+def test_fleet_affinity_failover_and_scaling(cluster: str, redis_url: str) -> None:
+    _deploy(redis_url, 2)
+    _wait_replicas(2)
+    engine = tiny_chat_engine()
+    n = 16
+    plans = [[DOCS[(3 * i + k) % len(DOCS)] for k in range(3)] for i in range(n)]
+
+    # two replicas: every request of a session lands on one replica; sessions spread across both
+    with cf.ThreadPoolExecutor(4) as pool:
+        opened = list(pool.map(lambda p: _open_session(cluster, p), plans))
+    holders = {rep for _, rep in opened}
+    assert len(holders) == 2, f"sessions did not spread: {holders}"
+
+    # the journal holds each session's window: chunk ids in order and their text
+    journal = SessionJournal(redis_url)
+    rec = journal.read(opened[0][0])
+    assert rec is not None and len(rec.order) == 3 and all(rec.chunks[c]["text"] for c in rec.order)
+    assert [op["op"] for op in journal.ops(opened[0][0])] == ["create", "chunks", "chunks", "chunks"]
+
+    # every session reorders (a journaled change), then a replica is killed in the middle of a load
+    victim_name = opened[0][1]
+    lost = [sid for sid, rep in opened if rep == victim_name]
+    expected = {}
+    for (sid, _), docs in zip(opened, plans, strict=True):
+        expected[sid] = _fresh_answer(engine, [docs[2], docs[0], docs[1]])
+
+    def reorder_and_answer(sid: str) -> tuple[str, str]:
+        with RemoteWindow(cluster, session_id=sid, timeout=300) as w:
+            order = list(w.chunks)
+            w.reorder([order[2], order[0], order[1]])
+            return sid, w.generate(PROMPT, max_new_tokens=6)
+
+    victim = next(a for name, a in _replica_actors().items() if name.endswith(victim_name))
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(reorder_and_answer, sid) for sid, _ in opened]
+        time.sleep(0.3)
+        ray.kill(victim, no_restart=True)
+        answers = dict(f.result() for f in futures)  # no request fails: a failure raises here
+    wall = time.perf_counter() - t0
+    assert set(answers) == {sid for sid, _ in opened}  # zero sessions lost
+    for sid, text in answers.items():
+        assert text == expected[sid], f"session {sid} answered differently after failover"
+
+    rebuilt_a = [r for r in journal.rebuilds() if r["session"] in lost]
+    assert rebuilt_a, "no session of the killed replica was rebuilt"
+    print("FLEET FAILOVER MID-LOAD", json.dumps({"sessions": n, "lost": 0, "rebuilt": len(rebuilt_a),
+                                                 "load_wall_s": round(wall, 2)}))  # fmt: skip
+
+    # every window has now answered in its current order: kill the replica owning most sessions, then each
+    # session's next request rebuilds where needed; count what the rebuild recomputed against a full re-prefill
+    _wait_replicas(2)
+    owners = {sid: journal.client.hget(f"kamera:fleet:s:{sid}", "owner").decode() for sid, _ in opened}
+    victim_name = max(set(owners.values()), key=list(owners.values()).count)
+    moved = [sid for sid, o in owners.items() if o == victim_name]
+    before = len(journal.rebuilds())
+    ray.kill(next(a for name, a in _replica_actors().items() if name.endswith(victim_name)), no_restart=True)
+    with cf.ThreadPoolExecutor(4) as pool:
+        again = dict(pool.map(lambda sid: (sid, _answer(cluster, sid)), moved))
+    assert all(again[sid] == expected[sid] for sid in moved)
+    rebuilds = [r for r in journal.rebuilds()[before:] if r["session"] in moved]
+    assert {r["session"] for r in rebuilds} == set(moved)
+    computed = full = 0
+    for sid in moved:
+        with RemoteWindow(cluster, session_id=sid, timeout=300) as w:
+            s = w.stats()
+        computed += s.ingest_tokens + s.tokens_prefilled  # chunk tokens run (the prompt is not counted)
+        full += journal.read(sid).tokens()
+    fraction = computed / full
+    report = {"rebuilt": len(moved), "fraction": round(fraction, 3),
+              "rebuild_s_max": round(max(r["seconds"] for r in rebuilds), 3),
+              "rebuild_s_mean": round(sum(r["seconds"] for r in rebuilds) / len(rebuilds), 3)}  # fmt: skip
+    print("FLEET REBUILD", json.dumps(report))
+    assert fraction <= 0.5, report
+
+    # a session with no journal and no live window: a clear error naming it
+    gone = "ks_" + "x" * 32
+    with pytest.raises(SessionNotFoundError, match=gone):
+        RemoteWindow(cluster, session_id=gone, timeout=60).stats()
+
+    # scale 2 -> 1 -> 2 under load: no request fails
+    def work(sid: str) -> str:
+        with RemoteWindow(cluster, session_id=sid, timeout=300) as w:
+            return w.generate(PROMPT, max_new_tokens=3)
+
+    live = [sid for sid, _ in opened]
+    for replicas in (1, 2):
+        with cf.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(work, sid) for sid in live]
+            time.sleep(0.2)
+            _deploy(redis_url, replicas)
+            assert all(isinstance(f.result(), str) for f in futures)
+        _wait_replicas(replicas)
+    journal.close()
