@@ -41,7 +41,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     run = get_bench(args.name)
     preflight(args.name)
-    result = run(_engine(args), quick=args.quick)
+    extra = {} if args.act_seconds is None else {"act_seconds": args.act_seconds}  # window only
+    if extra and args.name != "window":
+        from kamera_engine import InvalidInputError
+
+        raise InvalidInputError("--act-seconds goes with the window benchmark")
+    result = run(_engine(args), quick=args.quick, **extra)
     print_result(result, args.json, f"kamera bench {args.name}")
     return 0
 
@@ -127,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--shape", default=None, help="operator only: a random-weight model of this architecture")
     bench.add_argument("--layers", type=int, default=None, help="with --shape: keep only the first N layers")
+    bench.add_argument(
+        "--act-seconds",
+        type=float,
+        default=None,
+        help="window only: idle time the agent spends acting before each step, the same for every policy",
+    )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(
         "doctor", parents=[common, as_json], help="versions, device, attention backend, default model"

@@ -40,6 +40,17 @@ class WindowConfig(Options):
         "of rank survivor_rank (the paper's option for deepstack backbones such as Qwen3-VL; costs a forward "
         "the first time)",
     )
+    background: Literal["off", "manual", "auto"] = Field(
+        "off",
+        description="work that improves the next step without being needed for it (set-aside patches, "
+        "re-conditioning slide survivors on what remains, canonicals nothing needs yet, store prefetches) is "
+        "queued and run in idle time: 'manual' by prepare(), 'auto' also on an idle thread; 'off' runs it "
+        "inline as before and serves survivors as the survivors option says. With it on, survivors are "
+        "re-conditioned as under survivors='patch' (the answer does not depend on whether idle time reached them)",
+    )
+    background_budget_tokens: int | None = Field(
+        None, ge=1, description="forward tokens background work may run per window operation (None: unbounded)"
+    )
     survivor_rank: int = Field(64, ge=1, description="rank of survivor removal patches (survivors='patch')")
     orbit_exhaustive_max: int = Field(4, ge=1, description="use all orderings up to this many predecessors")
     orbit_samples: int = Field(6, ge=1, description="orderings sampled beyond orbit_exhaustive_max")

@@ -35,6 +35,8 @@ class EngineMeter:
     def __init__(self, engine: Engine, stats: WindowStats) -> None:
         self.engine = engine
         self.stats = stats
+        #: while set, every block counts as this work instead (background work runs the same code)
+        self.redirect: Work | None = None
 
     @contextmanager
     def measure(self, work: Work) -> Iterator[Measured]:
@@ -51,11 +53,20 @@ class EngineMeter:
             ran_tokens = counters.tokens_prefilled - tokens
             for to, f, t in measured.moved:
                 f, t = min(f, ran), min(t, ran_tokens)  # an error may have cut the block short
-                self.stats.add_work(to, f, t)
+                self.stats.add_work(self.redirect or to, f, t)
                 ran, ran_tokens = ran - f, ran_tokens - t
-            self.stats.add_work(work, ran, ran_tokens)
+            self.stats.add_work(self.redirect or work, ran, ran_tokens)
 
     def add(self, work: Work, forwards: int, tokens: int) -> None:
         """Count work the engine runs outside its counted forward (selective recompute runs the layers
         itself)."""
-        self.stats.add_work(work, forwards, tokens)
+        self.stats.add_work(self.redirect or work, forwards, tokens)
+
+    @contextmanager
+    def background(self) -> Iterator[None]:
+        """Count everything inside the block as background work (idle time, off the critical path)."""
+        self.redirect = Work.BACKGROUND
+        try:
+            yield
+        finally:
+            self.redirect = None

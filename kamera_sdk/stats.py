@@ -44,6 +44,7 @@ class Work(StrEnum):
     CONTEXT = "context"  # window slots prefilled in context: forward runs, orbit patches, selective recompute
     PROMPT = "prompt"  # a prompt prefilled over the assembled window
     STATISTICS = "statistics"  # tokens run only to gather attention statistics (KV compression)
+    BACKGROUND = "background"  # work run in idle time (``background``): off every critical path
 
 
 class WorkCount(BaseModel):
@@ -96,6 +97,16 @@ class WindowStats(BaseModel):
     window_kv_bytes: int = Field(0, description="bytes of the window's KV as last assembled (anchor included)")
     window_tokens: int = Field(0, description="tokens of the window as last assembled (anchor included)")
     vision_tower_runs: int = Field(0, description="vision-tower runs caused by this window (once per distinct image)")
+    background_queued: dict[str, int] = Field(
+        default_factory=dict, description="background tasks queued, by kind (patches, survivors, canonical, prefetch)"
+    )
+    background_done: dict[str, int] = Field(
+        default_factory=dict, description="background tasks run in idle time (prepare() or the idle thread), by kind"
+    )
+    background_inline: dict[str, int] = Field(
+        default_factory=dict,
+        description="background tasks a foreground call finished itself because idle time had not reached them",
+    )
     timings: dict[str, OpTiming] = Field(default_factory=dict, description="calls and wall time of each operation")
     decisions: list[Decision] = Field(default_factory=list, description="most recent planning decisions")
 
@@ -173,6 +184,12 @@ class WindowStats(BaseModel):
         """Slots served from the prefix cache (``Source.PREFIX``)."""
         return self.served.get(Source.PREFIX, 0)
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def background_tokens(self) -> int:
+        """Tokens run by background work in idle time (off the critical path)."""
+        return self._work(Work.BACKGROUND).tokens
+
     # --- recording --------------------------------------------------------------------------------
     def _work(self, work: Work) -> WorkCount:
         return self.work.get(work, WorkCount())
@@ -185,6 +202,9 @@ class WindowStats(BaseModel):
 
     def count_served(self, source: Source) -> None:
         self.served[source] = self.served.get(source, 0) + 1
+
+    def count_task(self, counts: dict[str, int], kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
 
     def count_formed(self, kind: PatchKind) -> None:
         self.formed[kind] = self.formed.get(kind, 0) + 1

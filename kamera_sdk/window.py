@@ -9,13 +9,15 @@ changes anything, so a refused operation leaves the window as it was.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Literal, overload
+from typing import Literal, ParamSpec, TypeVar, overload
 
 import torch
 from pydantic import BaseModel
@@ -33,6 +35,7 @@ from kamera_engine.decode import TextStream, stop_strings
 from kamera_engine.runner import Prefilled
 
 from . import vision
+from .background import BackgroundQueue, IdleWorker, Phase, Task, gate_of
 from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
 from .compress import CompressionPolicy, make_compressor
 from .compress.runner import Compressed, decode_compressed, prefill_compressed
@@ -42,7 +45,7 @@ from .graph import DependencyGraph
 from .metering import EngineMeter
 from .persistence import Persistence
 from .placement import best_order
-from .plan import Plan
+from .plan import Plan, Source
 from .policies import ReusePolicy, WindowView, make_policy
 from .slots import Slot
 from .stats import Decision, WindowStats, Work
@@ -50,6 +53,35 @@ from .store import ChunkStore, default_store_path, open_store
 from .window_state import WindowState
 
 log = logging.getLogger("kamera.window")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def foreground(*, drain: bool = True) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A foreground call: it holds the engine's gate (background work stops at its next forward boundary)
+    and, with ``drain``, first finishes the window's queued work that later results depend on, so that
+    what the idle time reached changes only latency."""
+
+    def wrap(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            self: ContextWindow = args[0]  # type: ignore[assignment]
+            with self._gate.foreground():
+                outer = self._depth == 0
+                self._depth += 1
+                try:
+                    if outer and drain:
+                        self._finish_required()
+                    return fn(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+                    if outer and self._worker is not None and len(self._queue):
+                        self._worker.notify()
+
+        return call
+
+    return wrap
 
 
 def as_index(value: object) -> int | None:
@@ -82,8 +114,9 @@ class DisposabilityResult(BaseModel):
 class ContextWindow:
     """A window of chunks served by a reuse policy over one engine.
 
-    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``blind``, ``cacheblend``, ``mpic`` (the
-    registered policies, ``POLICIES``; a test keeps this list complete), or a ``ReusePolicy`` instance.
+    ``policy``: ``kamera`` (default), ``recompute``, ``prefix``, ``prefix_idle``, ``blind``, ``cacheblend``,
+    ``mpic`` (the registered policies, ``POLICIES``; a test keeps this list complete), or a ``ReusePolicy``
+    instance.
     ``rank``: patch rank m (default 32). ``budget_tokens``: slide the oldest chunks out when the window
     exceeds it (a chunk larger than the whole budget is refused). Or pass both inside ``config``.
     ``store``: where canonicals and patches persist: None (this process only), a directory path,
@@ -116,6 +149,7 @@ class ContextWindow:
         if store is not None:
             self.store = open_store(default_store_path() if store == "default" else store)
         self._table = ChunkTable()  # shared by every branch
+        self._gate = gate_of(engine)  # one per engine: foreground calls first, background work between them
         self._open_branch(resolved, WindowState())
 
     def _open_branch(self, policy: ReusePolicy, state: WindowState, *, forked: bool = False) -> None:
@@ -127,17 +161,32 @@ class ContextWindow:
         self._meter = EngineMeter(self.engine, self._stats)
         self._persistence = None if self.store is None else Persistence(self.store, self.engine, self._stats)
         self._executor = Executor(self.engine, self._table, self.config, self._meter, self._persistence)
+        self._queue = BackgroundQueue(self.config.background_budget_tokens)
+        self._policy_idle_at = -1  # the window step the policy's idle work last ran at
+        self._depth = 0  # foreground calls of this branch in progress (they nest: admit -> recall -> slide)
+        self._worker: IdleWorker | None = None
+        if self.config.background == "auto":
+            ref = weakref.ref(self)
+
+            def step() -> bool | None:
+                win = ref()
+                return False if win is None else win._idle_step()
+
+            self._worker = IdleWorker(self._gate, step)
         self._forget_uses()
         self._pins_released = False  # close() hands the pins back
         for cid in self.chunks:
             self._pin(cid)  # a branch holds its own pins: its chunks stay resident while it lives
 
     # --- lifecycle ----------------------------------------------------------------------------
+    @foreground()
     def close(self) -> None:
         """Form pending patches, flush the store's write-behind queue and release this window's pins on
         the store's memory tier (the store stays open for other windows sharing it). The window still
         answers afterwards; it just no longer keeps its chunks resident."""
         self.flush()
+        if self._worker is not None:
+            self._worker.stop()
         if self.store is not None:
             for cid in self.chunks:
                 self._unpin(cid)
@@ -200,6 +249,7 @@ class ContextWindow:
         is not processed again)."""
         return self._table.get(chunk_id) if chunk_id in self._table else None
 
+    @foreground(drain=False)
     def stats(self) -> WindowStats:
         """A snapshot of what this window has done (store counters included when there is a store)."""
         snap = self._stats.model_copy(deep=True)
@@ -210,6 +260,7 @@ class ContextWindow:
         return snap
 
     # --- adding content ------------------------------------------------------------------------
+    @foreground()
     def add_text(self, text: str, *, copy: int = 0) -> ChunkId:
         """Append a text chunk; returns its content id. Known content is not recomputed. The window is a
         set: the same text is one chunk, unless it is a ``copy`` (1, 2, ...) of it, a chunk of its own
@@ -226,14 +277,17 @@ class ContextWindow:
         (chunk_id,) = self.admit(known or Chunk(cid, "text", self.engine.tokenize(text), text=text))
         return chunk_id
 
+    @foreground()
     def add_image(self, image: object, **kwargs: object) -> ChunkId:
         """Append an image chunk (PIL image, path, bytes or http(s) URL; VLM engines). See ``vision``."""
         return vision.add_image(self, self._state.media, image, **kwargs)  # type: ignore[arg-type]
 
+    @foreground()
     def add_video(self, video: object, **kwargs: object) -> list[ChunkId]:
         """Append a video (file, bytes or frames) as one chunk per segment of sampled frames. See ``vision``."""
         return vision.add_video(self, self._state.media, video, **kwargs)  # type: ignore[arg-type]
 
+    @foreground()
     def add(self, token_ids: Sequence[int], *, kind: str = "tokens", text: str | None = None) -> ChunkId:
         """Append a pre-tokenised chunk. ``kind`` is part of its content id (the same tokens under two kinds
         are two chunks); images and video go through ``add_image`` / ``add_video``."""
@@ -244,6 +298,7 @@ class ContextWindow:
         (chunk_id,) = self.admit(self.known(cid) or Chunk(cid, kind, ids, text=text))
         return chunk_id
 
+    @foreground()
     def admit(self, *chunks: Chunk) -> list[ChunkId]:
         """Append ready-made chunks (in order); returns their ids. The one way content enters a window:
         ``add_text`` / ``add`` / ``add_image`` / ``add_video`` build chunks and admit them here.
@@ -273,9 +328,12 @@ class ContextWindow:
         else:
             if self._persistence is not None:
                 chunk.patches = self._persistence.load_patches(chunk)
-            if self.policy.needs_canonical:
+            deferred = self._defers_canonical(chunk)
+            if self.policy.needs_canonical and not deferred:
                 self._executor.canonical(chunk)  # written at arrival; if it fails, nothing is recorded
             self._state.graph.add_chunk(self._table.put(chunk).id)
+            if deferred:
+                self._queue_canonical(chunk)
         self._state.slots.append(Slot(cid))
         self._pin(cid)
         self._changed("add")
@@ -288,6 +346,7 @@ class ContextWindow:
             raise InvalidInputError(f"a chunk of {len(chunk)} tokens does not fit in budget_tokens={budget}")
 
     # --- window operations ---------------------------------------------------------------------
+    @foreground()
     def evict(self, chunk_id: ChunkId) -> None:
         """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled."""
         idx = self._index(chunk_id)
@@ -299,6 +358,7 @@ class ContextWindow:
         self._state.evicted.append(chunk_id)
         self._changed("evict", t0)
 
+    @foreground()
     def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
         """Re-admit an evicted chunk at slot index ``at`` (default: the end). No re-encode; its next use
         forms a fresh patch on its now-fixed earlier context (or reuses one formed on that same context)."""
@@ -319,6 +379,7 @@ class ContextWindow:
         self._changed("recall", t0)
         self._enforce_budget(keep=chunk_id)
 
+    @foreground()
     def slide(self, n: int = 1) -> list[ChunkId]:
         """Drop the oldest ``n`` chunks (they stay recallable); survivors are served by rotation only, or
         re-conditioned once with a removal patch under ``survivors="patch"``."""
@@ -341,6 +402,7 @@ class ContextWindow:
         self._changed("slide", t0)
         return gone
 
+    @foreground()
     def reorder(self, order: Sequence[ChunkId] | Literal["auto"]) -> list[ChunkId]:
         """Put the window's chunks in ``order`` (a permutation of the window), or ``"auto"``: the order
         that maximises reuse of stored conditioning (see ``placement``). Returns the new order."""
@@ -370,6 +432,7 @@ class ContextWindow:
         self._changed("reorder", t0)
         return order
 
+    @foreground()
     def fork(self) -> ContextWindow:
         """Copy-on-write branch: canonicals, patches and current slot KV are shared, not copied; each
         branch edits only its own slot list from here on."""
@@ -379,17 +442,20 @@ class ContextWindow:
         return child
 
     # --- using the window ----------------------------------------------------------------------
+    @foreground()
     def plan(self) -> Plan:
         """The plan the next use would execute (no forward pass is run; pending patches that the plan
         needs are formed)."""
         self._flush_stale()
         return self.policy.plan(self._view())
 
+    @foreground()
     def assemble(self) -> KV:
         """Materialise the window: the anchor and every chunk's KV, placed."""
         self._new_use()
         return self._materialise()[1].assembled
 
+    @foreground()
     def next_token_logprobs(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Log-probabilities (vocab,) of the next token after the prompt."""
         ids = self._prompt_ids(prompt)
@@ -433,6 +499,7 @@ class ContextWindow:
         grammar: Grammar | None = ...,
     ) -> TextStream: ...
 
+    @foreground()
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -476,6 +543,7 @@ class ContextWindow:
         self._count_prompt(ids, t0)
         return pieces if stream else "".join(pieces)
 
+    @foreground()
     def compress_window(self, prompt: str | Sequence[int]) -> Compressed:
         """Prefill the prompt over the window and compress the cache with the window's compression
         policy (the assembled window itself is left intact). Returns the compressed cache for decoding."""
@@ -502,6 +570,7 @@ class ContextWindow:
         self._stats.time("compress", time.perf_counter() - t0)
         return c
 
+    @foreground()
     def is_disposable(
         self, chunk_id: ChunkId, prompt: str | Sequence[int], *, mode: str = "conditioning", max_new_tokens: int = 16
     ) -> DisposabilityResult:
@@ -553,6 +622,7 @@ class ContextWindow:
         tok = self.engine.tokenizer
         return tok.decode(token_ids, skip_special_tokens=True) if tok is not None else str(token_ids)
 
+    @foreground()
     def form_orbit_patch(self, chunk_id: ChunkId) -> StoredPatch:
         """Form (and store) an orbit patch for ``chunk_id`` over orderings of its current predecessor set:
         Delta averaged over orderings (all up to ``orbit_exhaustive_max`` predecessors, a seeded sample
@@ -573,10 +643,167 @@ class ContextWindow:
             if not any(p.kind is PatchKind.ORBIT and p.antecedent_set == preds for p in chunk.patches):
                 self.form_orbit_patch(cid)
 
+    @foreground()
     def flush(self) -> int:
         """Form every pending patch now (normally formed when a chunk leaves the window or is needed, or
         at the next window operation once its slot was served another way). Returns how many were formed."""
-        return self._executor.form_orphans() + self._flush(self._state.slots)
+        formed = self._executor.form_orphans() + self._flush(self._state.slots)
+        while self._idle_step():  # and the queued background work (within its budget)
+            pass
+        return formed
+
+    # --- background work ------------------------------------------------------------------------
+    @foreground(drain=False)
+    def prepare(self, seconds: float | None = None) -> int:
+        """Run the queued background work now (``WindowConfig.background``), most valuable first, within
+        ``background_budget_tokens`` and, if given, for at most about ``seconds`` (a task started is
+        finished: at most one forward). Returns how many tasks ran. Results do not depend on it: work a
+        later result needs and that is still queued then is finished by that call itself."""
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        ran = 0
+        while deadline is None or time.perf_counter() < deadline:
+            if not self._idle_step():
+                break
+            ran += 1
+        if self._state.slots and self._policy_idle_at != self._state.step:  # the policy's own idle work
+            self._policy_idle_at = self._state.step
+            with self._meter.measure(Work.BACKGROUND):
+                if self.policy.idle(self._view()):
+                    ran += 1
+                    self._stats.count_task(self._stats.background_done, "policy")
+        return ran
+
+    @property
+    def background_pending(self) -> int:
+        """Background tasks still queued."""
+        return len(self._queue)
+
+    def _idle_step(self) -> bool:
+        """Run the next queued task as idle-time work (the caller holds the engine's gate). False when
+        there is nothing to run within the budget."""
+        task = self._queue.next(within_budget=True)
+        if task is None:
+            return False
+        self._run_task(task, idle=True)
+        return True
+
+    def _finish_required(self) -> None:
+        """Before a foreground call: finish, in order, the queued work later results depend on."""
+        while (task := self._queue.next(required_only=True)) is not None:
+            self._run_task(task, idle=False)
+
+    def _run_task(self, task: Task, *, idle: bool) -> None:
+        self._queue.take(task)
+        t0 = time.perf_counter()
+        try:
+            if idle:
+                with self._meter.background():
+                    task.run()
+                self._queue.spent += task.tokens
+            else:
+                task.run()
+        except Exception as exc:  # background work is never needed for correctness: log it, go on
+            log.warning("window: background %s of %s failed: %s", task.kind, task.label, exc)
+            why = f"{task.kind} failed: {exc}"
+            self._stats.log(Decision(step=self._state.step, chunk=task.label, source="background", reason=why))
+            return
+        counts = self._stats.background_done if idle else self._stats.background_inline
+        self._stats.count_task(counts, task.kind)
+        self._stats.time(f"background_{task.kind}" if idle else f"inline_{task.kind}", time.perf_counter() - t0)
+        why = f"{task.kind} {'in idle time' if idle else 'inline (idle time had not reached it)'}"
+        self._stats.log(Decision(step=self._state.step, chunk=task.label, source="background", reason=why))
+
+    def _push(self, task: Task, *, replace: bool = True) -> None:
+        if replace:
+            self._queue.replace(task.kind, task)
+        else:
+            self._queue.push(task)
+        self._stats.count_task(self._stats.background_queued, task.kind)
+        reason = f"queued {task.kind}: value {task.value:.0f}, {task.tokens} forward tokens"
+        self._stats.log(Decision(step=self._state.step, chunk=task.label, source="background", reason=reason))
+
+    def _defers_canonical(self, chunk: Chunk) -> bool:
+        """With background work on, a text chunk that will not lead the window is prefilled in context at
+        its first use: its canonical (needed only to form its patch, or if it comes to lead) is compiled
+        in idle time, or lazily by whichever call needs it first (the same computation either way)."""
+        return (
+            self.config.background != "off"
+            and self.policy.needs_canonical
+            and bool(self._state.slots)
+            and chunk.kind not in VISION_KINDS
+        )
+
+    def _queue_canonical(self, chunk: Chunk) -> None:
+        # value: the nearer the front a chunk sits, the sooner it may lead and need its canonical on the path
+        value = len(chunk) / (1 + len(self._state.slots))
+        run = functools.partial(self._executor.canonical, chunk)
+        self._push(Task("canonical", chunk.label(), Phase.LATENCY, value, len(chunk), run), replace=False)
+
+    def _queue_patches(self) -> None:
+        orphans = len(self._executor.orphans)
+        if orphans and not any(t.kind == "patches" for t in self._queue.tasks):
+            run = functools.partial(self._executor.form_orphans, raise_errors=False)
+            self._push(Task("patches", "*", Phase.PATCHES, float(orphans), 0, run))
+
+    def _queue_prefetch(self) -> None:
+        """Evicted chunks are the ones a look-back recalls: start loading their canonicals from the store."""
+        if self._persistence is None or not self._state.evicted:
+            return
+        chunks = [self._table.get(c) for c in self._state.evicted]
+        run = functools.partial(self._persistence.prefetch, chunks)
+        self._push(Task("prefetch", "*", Phase.LATENCY, 0.0, 0, run))
+
+    def _survivor_run(self) -> tuple[Plan, int, float] | None:
+        """The first forward run of the plan that re-conditions survivors (a removal), as (plan, the run's
+        end, value: its tokens weighted by how many members each survivor lost), or None."""
+        if not self._state.slots or not self.policy.keeps_slot_kv:
+            return None
+        plan = self.policy.plan(self._view())
+        slots = plan.slots
+        for i, sp in enumerate(slots):
+            if sp.source is Source.FORWARD and sp.patch_kind is PatchKind.REMOVAL:
+                start, end = i, i
+                while start > 0 and slots[start - 1].source is Source.FORWARD:
+                    start -= 1
+                while end < len(slots) and slots[end].source is Source.FORWARD:
+                    end += 1
+                value = 0.0
+                for run_sp, slot in zip(slots[start:end], self._state.slots[start:end], strict=True):
+                    lost = len(slot.antecedent or ()) - len(run_sp.antecedent)
+                    value += len(run_sp.chunk) * max(lost, 1)
+                return plan, end, value
+        return None
+
+    def _queue_survivors(self) -> None:
+        found = self._survivor_run()
+        if found is None:
+            self._queue.replace("survivors", None)
+            return
+        plan, end, value = found
+        run = [sp for sp in plan.slots[:end] if sp.source is Source.FORWARD]
+        label = ",".join(sp.chunk.label() for sp in run)
+        tokens = sum(len(sp.chunk) for sp in run)
+        self._push(Task("survivors", label, Phase.SURVIVORS, value, tokens, self._recondition_survivors))
+
+    def _recondition_survivors(self) -> None:
+        """Re-condition the first run of slide survivors on what remains in front of them: execute the
+        window's plan up to the end of that run (one forward), then queue the next run if there is one."""
+        self._flush_stale()
+        found = self._survivor_run()
+        if found is not None:
+            plan, end, _ = found
+            st = self._stats
+            kv_bytes, tokens = st.window_kv_bytes, st.window_tokens  # a prefix is not the window
+            head = Plan(plan.policy, plan.slots[:end], plan.anchor_len, plan.recompute)
+            execution = self._executor.run(
+                head, self._state.slots[:end], self.policy.keeps_slot_kv, self._state.graph, self._state.step
+            )
+            st.window_kv_bytes, st.window_tokens = kv_bytes, tokens
+            self._state.slots[:end] = execution.slots
+            self._forget_uses()
+            self._log_plan(head)
+        self._queue_patches()
+        self._queue_survivors()
 
     def _flush(self, slots: list[Slot]) -> int:
         return self._executor.form_slot_patches(self._state.slots, slots)
@@ -668,8 +895,15 @@ class ContextWindow:
     def _changed(self, op: str, t0: float | None = None) -> None:
         self._state.step += 1
         self._forget_uses()
-        # off the answer's path: the patches whose slot was served another way
-        self._executor.form_orphans(raise_errors=False)
+        if self.config.background == "off":
+            # off the answer's path: the patches whose slot was served another way
+            self._executor.form_orphans(raise_errors=False)
+        else:
+            self._queue.new_step()
+            self._queue_patches()
+            self._queue_survivors()
+            if op in ("slide", "evict"):
+                self._queue_prefetch()
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 
@@ -715,6 +949,8 @@ class ContextWindow:
         self._cache = (plan, execution)
         self._stats.time("materialise", time.perf_counter() - t0)
         self._log_plan(plan)
+        if self.config.background != "off":
+            self._queue_patches()  # patches set aside by this use: formed in idle time
         if execution.prompt is not None:  # only when a prompt was passed
             assert prompt is not None
             self._prompt_memo = (tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))

@@ -1,8 +1,10 @@
 """The window's stateful model, shared by the text and the mixed-media stateful tests.
 
 A ``kamera`` window and a ``recompute`` window go through the same random operations while a plain
-model (``order``, ``evicted``) tracks what they should hold. Subclasses add the ``add`` and ``invalid``
-rules for their chunk kinds and the re-prefill invariant for their engine.
+model (``order``, ``evicted``) tracks what they should hold. Two ``kamera`` windows with background work on
+go through them too: one runs its queued work at random points (``prepare``, in full or in part), the
+other never does; their answers must be identical (what finished in the background changes only latency).
+Subclasses add the ``add`` and ``invalid`` rules for their chunk kinds and the re-prefill invariant for their engine.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kamera_engine import KV, Engine
-from kamera_sdk import ChunkNotFoundError, ContextWindow, InvalidInputError, Source, WindowOperationError
+from kamera_sdk import (
+    ChunkNotFoundError,
+    ContextWindow,
+    InvalidInputError,
+    Source,
+    WindowConfig,
+    WindowOperationError,
+)
 
 #: what a refused window operation may raise
 REFUSALS = (InvalidInputError, WindowOperationError, ChunkNotFoundError)
@@ -25,19 +34,22 @@ class WindowModelMachine(RuleBasedStateMachine):
         self.prompt = prompt
         self.kam = ContextWindow(engine, rank=4)
         self.rec = ContextWindow(engine, policy="recompute")
+        self.bg = ContextWindow(engine, config=WindowConfig(rank=4, background="manual"))
+        self.bg_twin = ContextWindow(engine, config=WindowConfig(rank=4, background="manual"))
         self.order: list[str] = []
         self.evicted: list[str] = []
         self.snapshot: tuple[ContextWindow, list[str], torch.Tensor] | None = None
 
     def _both(self, fn) -> None:
-        fn(self.kam)
-        fn(self.rec)
+        for win in (self.kam, self.rec, self.bg, self.bg_twin):
+            fn(win)
 
     def add_to_both(self, add) -> None:
         """``add`` on both windows (the same content id), then the model's bookkeeping: a window is a set;
         adding an evicted chunk recalls it."""
         cid = add(self.kam)
         assert add(self.rec) == cid
+        assert add(self.bg) == cid and add(self.bg_twin) == cid
         if cid in self.order:
             return
         if cid in self.evicted:
@@ -46,14 +58,15 @@ class WindowModelMachine(RuleBasedStateMachine):
 
     def assert_refused(self, op) -> None:
         """``op`` on the kamera window must raise a clear error and leave the window as it was."""
-        before = (list(self.kam.chunks), list(self.kam.evicted))
-        try:
-            op(self.kam)
-        except REFUSALS:
-            pass
-        else:
-            raise AssertionError("invalid operation was accepted")
-        assert (self.kam.chunks, self.kam.evicted) == before
+        for win in (self.kam, self.bg):
+            before = (list(win.chunks), list(win.evicted))
+            try:
+                op(win)
+            except REFUSALS:
+                pass
+            else:
+                raise AssertionError("invalid operation was accepted")
+            assert (win.chunks, win.evicted) == before
 
     def check_survivor(self, got: KV, expect: KV) -> None:
         """A survivor's KV is the rotation of its previous conditioned KV (keys rotated, values carried)."""
@@ -108,6 +121,17 @@ class WindowModelMachine(RuleBasedStateMachine):
         parent = self.kam
         self.snapshot = (parent, list(parent.chunks), lp)
         self.kam = parent.fork()
+
+    @rule(seconds=st.sampled_from([None, 0.0, 0.001]))
+    def prepare(self, seconds: float | None) -> None:
+        """Idle time reaches the queued work of one background window: all of it, none, or part."""
+        self.bg.prepare(seconds)
+
+    @invariant()
+    def background_changes_no_result(self) -> None:
+        assert self.bg.chunks == self.order and self.bg_twin.chunks == self.order
+        if self.order:
+            assert torch.equal(self.bg.next_token_logprobs(self.prompt), self.bg_twin.next_token_logprobs(self.prompt))
 
     @invariant()
     def contents_match_the_model(self) -> None:

@@ -157,6 +157,35 @@ def window_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     return [path]
 
 
+def window_act_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The idle-time run (``--act-seconds``): TTFT over the floor per step kind, and KL, per policy."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [p for p in ("recompute", "prefix", "prefix_idle", "kamera_sync", "kamera") if p in result]
+    kinds = [
+        k for k in ("first", "slide", "recall", "rerank", "all") if k in result[names[0]]["ttft_over_floor_by_kind"]
+    ]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / len(names)
+    for i, p in enumerate(names):
+        ratios = [result[p]["ttft_over_floor_by_kind"][k] for k in kinds]
+        a1.bar([j + i * width for j in range(len(kinds))], ratios, width, label=p)
+    a1.axhline(1.0, color="k", lw=0.8, ls="--")
+    a1.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+    a1.set_ylabel("TTFT / floor")
+    a1.legend(fontsize=7)
+    a2.bar(names, [max(result[p]["kl_mean"], 1e-9) for p in names])
+    a2.set_yscale("log")
+    a2.set_ylabel("mean KL to recompute")
+    a2.tick_params(axis="x", rotation=45, labelsize=7)
+    fig.suptitle(f"window trace with {result['act_seconds']} s of idle time per step, {result['trace']['steps']} steps")
+    fig.tight_layout()
+    path = out_dir / "window_act.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def compare_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """eta vs KV-byte budget per reuse policy, and KL vs KV kept per compression policy."""
     plt = _plt()
@@ -253,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = operator_plots(result, out)
     elif "matched_bytes" in result:
         paths = compare_plots(result, out)
+    elif "act_seconds" in result:
+        paths = window_act_plot(result, out)
     else:
         paths = window_plot(result, out)
     for p in paths:

@@ -40,9 +40,19 @@ ARMS: dict[str, tuple[str, WindowConfig]] = {
 }
 
 
-def _window(engine: Engine, name: str) -> ContextWindow:
-    if name in ARMS:
-        policy, config = ARMS[name]
+#: The policies of the run with idle time (``--act-seconds``): Kamera with background work (``kamera``, run
+#: by ``prepare`` in the idle time, as the idle thread would) and without (``kamera_sync``), the prefix cache
+#: without and with idle pre-prefill, and recompute.
+ACT_POLICIES = ("recompute", "prefix", "prefix_idle", "kamera_sync", "kamera")
+ACT_ARMS: dict[str, tuple[str, WindowConfig]] = {
+    "kamera": ("kamera", WindowConfig(background="manual")),
+    "kamera_sync": ("kamera", WindowConfig()),
+}
+
+
+def _window(engine: Engine, name: str, arms: dict[str, tuple[str, WindowConfig]] = ARMS) -> ContextWindow:
+    if name in arms:
+        policy, config = arms[name]
         return ContextWindow(engine, policy=policy, config=config)
     return ContextWindow(engine, policy=name)
 
@@ -117,12 +127,23 @@ def _question_for(live: list[Page], questions: list[Question], rng: random.Rando
     return rng.choice(best).question
 
 
-def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> tuple[float, float]:
-    """Apply the step's operations to ``win``; returns the seconds spent in ingest (adds: canonical
-    compiles at arrival) and in the other operations (slide, recall, reorder, with the patch forming
-    they do off the answer's path)."""
+def known_ahead(step: Step) -> int:
+    """How many of the step's leading operations the agent knows before the step (its slides: it chose
+    what to drop); the rest (a new page, a recall, a rerank) arrives with the step."""
+    n = 0
+    while n < len(step.ops) and step.ops[n][0] == "slide":
+        n += 1
+    return n
+
+
+def apply_step(
+    win: ContextWindow, step: Step, ids: dict[str, str], ops_slice: slice = slice(None)
+) -> tuple[float, float]:
+    """Apply the step's operations (``ops_slice`` of them) to ``win``; returns the seconds spent in
+    ingest (adds: canonical compiles at arrival) and in the other operations (slide, recall, reorder, with
+    the patch forming they do off the answer's path)."""
     ingest = ops = 0.0
-    for op, arg in step.ops:
+    for op, arg in step.ops[ops_slice]:
         t0 = time.perf_counter()
         if op == "add":
             ids[arg.id] = win.add_text(arg.text + "\n\n")
@@ -143,12 +164,23 @@ def apply_step(win: ContextWindow, step: Step, ids: dict[str, str]) -> tuple[flo
 
 
 def run_trace(
-    engine: Engine, trace: list[Step], policies: tuple[str, ...] = POLICIES, answer_tokens: int = 16
+    engine: Engine,
+    trace: list[Step],
+    policies: tuple[str, ...] = POLICIES,
+    answer_tokens: int = 16,
+    *,
+    act_seconds: float | None = None,
+    arms: dict[str, tuple[str, WindowConfig]] = ARMS,
 ) -> dict[str, Any]:
-    wins = {p: _window(engine, p) for p in policies}
+    """Run the trace through a window per policy. ``act_seconds``: the agent acts that long before each
+    step; the operations it knows ahead (``known_ahead``) are applied first, then every window gets the
+    same idle time (``ContextWindow.prepare(seconds)``: policies with no idle work return at once, which
+    changes nothing for them), then the rest of the step and the question. ``critical_s`` per step:
+    the operations after the idle time, ingest and TTFT (what the agent waits for once it knows the step)."""
+    wins = {p: _window(engine, p, arms) for p in policies}
     ids: dict[str, dict[str, str]] = {p: {} for p in policies}
     rows: dict[str, dict[str, list]] = {
-        p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": []} for p in policies
+        p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": [], "critical": [], "idle": []} for p in policies
     }
     per_step: list[dict[str, Any]] = []
     floor_tokens = 0
@@ -157,12 +189,19 @@ def run_trace(
         lps: dict[str, torch.Tensor] = {}
         answers: dict[str, str] = {}
         for p, win in wins.items():
-            ingest, ops = apply_step(win, step, ids[p])
-            rows[p]["ingest"].append(ingest)
-            rows[p]["ops"].append(ops)
+            ahead = known_ahead(step) if act_seconds is not None else 0
+            ingest0, ops0 = apply_step(win, step, ids[p], slice(0, ahead))
+            t0 = time.perf_counter()
+            if act_seconds is not None:
+                win.prepare(act_seconds)
+            rows[p]["idle"].append(time.perf_counter() - t0)
+            ingest, ops = apply_step(win, step, ids[p], slice(ahead, None))
+            rows[p]["ingest"].append(ingest0 + ingest)
+            rows[p]["ops"].append(ops0 + ops)
             t0 = time.perf_counter()
             lps[p] = win.next_token_logprobs(step.question)
             rows[p]["ttft"].append(time.perf_counter() - t0)
+            rows[p]["critical"].append(ingest + ops + rows[p]["ttft"][-1])
             answers[p] = win.generate(step.question, max_new_tokens=answer_tokens)
         for p in policies:
             rows[p]["kl"].append(kl(lps["recompute"], lps[p]))
@@ -181,6 +220,7 @@ def run_trace(
                 "ops": step.describe(),
                 "ttft_s": {p: rows[p]["ttft"][-1] for p in policies},
                 "ttft_floor_s": floor_s,
+                "critical_s": {p: rows[p]["critical"][-1] for p in policies},
                 "kl": {p: rows[p]["kl"][-1] for p in policies},
                 "answer": answers,
             }
@@ -202,7 +242,29 @@ def run_trace(
             "patches_reused": st.patches_reused,
             "survivors_rotated": st.survivors_rotated,
             "kl_max": max(rows[p]["kl"]),
+            "critical_s_mean": mean(rows[p]["critical"]),
+            "idle_s_mean": mean(rows[p]["idle"]),
+            "background_tokens": st.background_tokens,
+            "answers_equal_recompute": sum(rows[p]["match"]),
+            "ttft_over_floor_by_kind": {
+                kind: mean([r["ttft_s"][p] for r in rows_k]) / mean([r["ttft_floor_s"] for r in rows_k])
+                for kind in ("first", "slide", "recall", "rerank", "all")
+                if (rows_k := [r for r in per_step if kind in (r["kind"], "all")])
+            },
+            "kl_mean_by_kind": {
+                kind: mean([r["kl"][p] for r in rows_k])
+                for kind in ("first", "slide", "recall", "rerank")
+                if (rows_k := [r for r in per_step if r["kind"] == kind])
+            },
+            "answers_equal_recompute_by_kind": {
+                kind: sum(r["answer"][p].strip() == r["answer"]["recompute"].strip() for r in rows_k)
+                for kind in ("first", "slide", "recall", "rerank")
+                if (rows_k := [r for r in per_step if r["kind"] == kind])
+            },
         }
+        if "recompute" in result and p != "recompute":
+            ratios = [c / r for c, r in zip(rows[p]["critical"], rows["recompute"]["critical"], strict=True)]
+            result[p]["critical_over_recompute_max"] = max(ratios)
     result["steps"] = per_step
     result["ttft_floor"] = {
         "ttft_s_mean": mean([r["ttft_floor_s"] for r in per_step]),
@@ -210,8 +272,9 @@ def run_trace(
     }
     if "prefix" in result:
         ttfts: dict[str, Callable[[dict[str, Any]], float]] = {"floor": lambda r: r["ttft_floor_s"]}
-        if "kamera" in result:
-            ttfts["kamera"] = lambda r: r["ttft_s"]["kamera"]
+        for name in ("kamera", "kamera_sync", "prefix_idle"):
+            if name in result:
+                ttfts[name] = lambda r, name=name: r["ttft_s"][name]
         for name, ttft in ttfts.items():
             result[f"{name}_ttft_over_prefix"] = _over_prefix(per_step, ttft)
             result[f"{name}_ttft_over_prefix_by_kind"] = {
@@ -269,10 +332,15 @@ def floor_step(
     return seconds, tokens
 
 
-def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+def run(engine: Engine, *, quick: bool = False, act_seconds: float | None = None) -> dict[str, Any]:
+    """The trace, every policy side by side; with ``act_seconds``, the idle-time run (``ACT_POLICIES``)."""
     steps = 8 if quick else 24
     trace = build_trace(steps=steps)
     err.print(f"[bold]window[/] trace on {engine.name}: {steps} steps, window of 4 pages")
-    result = run_trace(engine, trace, (*POLICIES, *ARMS))
+    if act_seconds is not None:
+        result = run_trace(engine, trace, ACT_POLICIES, act_seconds=act_seconds, arms=ACT_ARMS)
+        result["act_seconds"] = act_seconds
+    else:
+        result = run_trace(engine, trace, (*POLICIES, *ARMS))
     result["trace"] = {"steps": steps, "window_chunks": 4, "ops": [s.describe() for s in trace]}
     return result

@@ -69,6 +69,12 @@ class ReusePolicy:
     def observe(self, view: WindowView, plan: Plan, placed: list) -> None:
         """Called after execution with each slot's placed KV (prefix caches remember them)."""
 
+    def idle(self, view: WindowView) -> int:
+        """Work this policy does in idle time (``ContextWindow.prepare``) on the window as it is now, so the
+        next use is cheaper; returns the forwards it ran. It must not change what any later use returns,
+        only what that use costs."""
+        return 0
+
     def fork(self) -> ReusePolicy:
         """The policy instance a forked window uses (shared state unless a policy says otherwise)."""
         return self

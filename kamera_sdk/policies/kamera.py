@@ -5,7 +5,8 @@ Per slot, cheapest correct source first:
 1. leading chunk -> its canonical, relocated: exact (it is conditioned on the anchor alone);
 2. antecedent unchanged since the last use -> keep its conditioned KV (rotation only if it moved);
 3. antecedent lost only its oldest members (a slide) -> survivor: rotation only, no patch (§5); with
-   ``survivors="patch"``, a removal patch formed on exactly what remains (re-conditioned once);
+   ``survivors="patch"`` or with background work on, a removal patch formed on exactly what remains
+   (re-conditioned once, in idle time when there is some);
 4. a stored patch, or the slot's own conditioned KV, formed on an antecedent within the safety
    envelope (same set reordered, one dropped / duplicated member) -> apply it (orbit patches first);
    a recalled chunk only takes a patch formed on the same set (a patch frozen at eviction is stale);
@@ -88,7 +89,7 @@ class KameraPolicy(ReusePolicy):
             if formed == ante:
                 return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
             if _dropped_run(formed, ante):
-                if view.config.survivors == "rotate":
+                if view.config.survivors == "rotate" and view.config.background == "off":
                     return SlotPlan(
                         chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"
                     )

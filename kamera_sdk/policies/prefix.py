@@ -70,9 +70,13 @@ class PrefixPolicy(ReusePolicy):
         return Plan(self.name, slots, view.anchor_len)
 
     def observe(self, view: WindowView, plan: Plan, placed: list[KV]) -> None:
+        self.remember(view, [sp.chunk.id for sp in plan.slots], placed)
+
+    def remember(self, view: WindowView, chunk_ids: list, placed: list[KV]) -> None:
+        """Cache the runs of ``chunk_ids`` (in window order) with each chunk's placed KV."""
         run = self._root(view)
-        for sp, kv in zip(plan.slots, placed, strict=True):
-            parent, run = run, (*run, sp.chunk.id)
+        for cid, kv in zip(chunk_ids, placed, strict=True):
+            parent, run = run, (*run, cid)
             if run in self._nodes:
                 self._nodes.move_to_end(run)  # used: the most recent (planning alone touches nothing)
             else:

@@ -64,7 +64,7 @@ def test_the_window_never_checks_a_policy_name() -> None:
 
 def test_policies_declare_what_they_serve() -> None:
     serving = sorted(name for name, cls in POLICIES.items() if cls.serves_images)
-    assert serving == ["blind", "kamera", "prefix", "recompute"]
+    assert serving == ["blind", "kamera", "prefix", "prefix_idle", "recompute"]
     assert [name for name, cls in POLICIES.items() if cls.forms_orbit_patches] == ["kamera"]
 
 
@@ -208,6 +208,9 @@ def test_every_counter_on_a_scripted_kamera_session(engine, tmp_path: Path) -> N
         "window_kv_bytes": win.assemble().nbytes,
         "window_tokens": len(engine.anchor_ids) + 21,
         "vision_tower_runs": 0,
+        "background_queued": {},
+        "background_done": {},
+        "background_inline": {},
         "forwards": 7,
         "tokens_prefilled": 28,
         "ingest_tokens": 21,
@@ -220,6 +223,7 @@ def test_every_counter_on_a_scripted_kamera_session(engine, tmp_path: Path) -> N
         "kept": 0,
         "blind_served": 0,
         "prefix_hits": 0,
+        "background_tokens": 0,
     }
     child = win.fork()
     fork = child.stats()

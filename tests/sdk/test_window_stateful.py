@@ -7,6 +7,8 @@ operations raise and change nothing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -55,7 +57,10 @@ class WindowMachine(WindowModelMachine):
             assert torch.isfinite(lp).all()
 
 
+#: CI's short profile; the soak profile raises it: KAMERA_STATEFUL_EXAMPLES=1000 (docs/window.md)
+EXAMPLES = int(os.environ.get("KAMERA_STATEFUL_EXAMPLES", "60"))
+
 WindowMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=EXAMPLES, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
 )
 TestWindowStateful = WindowMachine.TestCase

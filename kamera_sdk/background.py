@@ -1,0 +1,192 @@
+"""Background work of a window: what improves the next step without being needed for its correctness.
+
+A window queues such work (``Task``) instead of running it inside the call that found it: forming the
+patches set aside at the last use, re-conditioning slide survivors on what remains, compiling canonicals
+nothing on the critical path needs yet, prefetching store entries. It runs when the engine is idle: in
+``ContextWindow.prepare()`` (explicit: run it now and wait) or on an idle thread (``background="auto"``).
+
+Thread safety is one lock per engine (``EngineGate``): every foreground call of every window on the
+engine holds it, and background work takes it one task (at most one forward) at a time, only while no
+foreground call is waiting. So a foreground call waits behind at most one background forward, and the
+engine's counters (``metering``) still see one call at a time.
+
+Results never depend on timing. A task is ``required`` when its outcome can change a later plan
+(patches, survivor conditioning): the next foreground operation or use of the window finishes the
+required tasks still queued before it does anything else, in the same order the background would have
+run them. Whether the idle time reached them changes only where their cost lands. The other tasks
+(``required=False``: canonicals, prefetches) compute exactly what the foreground would compute lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kamera_engine import Engine
+
+log = logging.getLogger("kamera.window")
+
+
+class Phase(IntEnum):
+    """Order of work that may depend on earlier work: patches before survivors (a survivor's plan may use
+    a patch), and what no result depends on last."""
+
+    PATCHES = 0
+    SURVIVORS = 1
+    LATENCY = 2
+
+
+@dataclass(eq=False)
+class Task:
+    """One unit of background work: at most one forward pass (so the foreground waits behind one)."""
+
+    kind: str  # "patches", "survivors", "canonical", "prefetch"
+    label: str  # what it is about (a chunk label, or "*")
+    phase: Phase
+    value: float  # critical-path tokens it is expected to save on the next step (orders work in a phase)
+    tokens: int  # tokens its forward runs (0: no forward), counted against the budget
+    run: Callable[[], None]
+    seq: int = 0
+
+    @property
+    def required(self) -> bool:
+        return self.phase is not Phase.LATENCY
+
+    def key(self) -> tuple[int, float, int]:
+        return (int(self.phase), -self.value, self.seq)
+
+
+@dataclass
+class BackgroundQueue:
+    """A window branch's queued work, most valuable first within each phase, and its token budget."""
+
+    budget_tokens: int | None = None  # background forward tokens allowed per window step (None: unbounded)
+    tasks: list[Task] = field(default_factory=list)
+    spent: int = 0  # tokens run in the background since the budget was last reset
+    _seq: int = 0
+
+    def push(self, task: Task) -> None:
+        self._seq += 1
+        task.seq = self._seq
+        self.tasks.append(task)
+
+    def replace(self, kind: str, task: Task | None) -> None:
+        """Drop queued tasks of ``kind`` (the window changed under them) and queue ``task`` instead."""
+        self.tasks = [t for t in self.tasks if t.kind != kind]
+        if task is not None:
+            self.push(task)
+
+    def new_step(self) -> None:
+        """A window operation happened: the budget starts again."""
+        self.spent = 0
+
+    def next(self, *, required_only: bool = False, within_budget: bool = False) -> Task | None:
+        """The next task in order (``key``), or None. ``within_budget``: only a task that fits what is left
+        of the budget (the order is not skipped past one that does not: required work keeps its order)."""
+        pool = [t for t in self.tasks if t.required] if required_only else self.tasks
+        if not pool:
+            return None
+        task = min(pool, key=Task.key)
+        if within_budget and self.budget_tokens is not None and self.spent + task.tokens > self.budget_tokens:
+            return None
+        return task
+
+    def take(self, task: Task) -> None:
+        self.tasks.remove(task)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def pending_required(self) -> int:
+        return sum(1 for t in self.tasks if t.required)
+
+
+class EngineGate:
+    """One lock per engine: foreground calls hold it (re-entrant); background work takes it one task at a
+    time and only while no foreground call waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._state = threading.Condition()
+        self._waiting = 0
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        with self._state:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._state:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+            with self._state:
+                self._state.notify_all()
+
+    @contextmanager
+    def background(self) -> Iterator[bool]:
+        """Yields True with the lock held when no foreground call is waiting, else False at once."""
+        got = False
+        with self._state:
+            if self._waiting == 0:
+                got = self._lock.acquire(blocking=False)
+        try:
+            yield got
+        finally:
+            if got:
+                self._lock.release()
+
+    def wait(self, seconds: float) -> None:
+        with self._state:
+            self._state.wait(seconds)
+
+
+_GATES: weakref.WeakKeyDictionary[Engine, EngineGate] = weakref.WeakKeyDictionary()
+_GATES_LOCK = threading.Lock()
+
+
+def gate_of(engine: Engine) -> EngineGate:
+    """The engine's gate (one per engine, shared by every window on it)."""
+    with _GATES_LOCK:
+        gate = _GATES.get(engine)
+        if gate is None:
+            gate = _GATES[engine] = EngineGate()
+        return gate
+
+
+class IdleWorker:
+    """Runs a window's queued work on a daemon thread while the engine has no foreground call (automatic
+    mode). ``step`` is the window's (weakly held) method that runs one task and says whether it did."""
+
+    def __init__(self, gate: EngineGate, step: Callable[[], bool | None]) -> None:
+        self._gate = gate
+        self._step = step
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kamera-window-idle", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stop.is_set():
+                with self._gate.background() as got:
+                    ran = self._step() if got else None
+                if ran is False:  # nothing (more) to do within the budget: sleep until notified
+                    break
+                if ran is None:  # a foreground call holds or wants the engine: let it go first
+                    self._gate.wait(0.01)

@@ -1,0 +1,194 @@
+"""Background work in the window: queued, run in idle time, and never changing a result.
+
+The same scripted session runs with its background work never run (the foreground finishes what it
+needs), run in full by ``prepare()`` after every operation, run partly (a budget), and on the idle thread;
+tokens and log-probs must be identical. With it on, slide survivors are re-conditioned exactly, so the
+window equals re-prefill to float rounding, and the critical path never prefills more than recompute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kamera_sdk import ContextWindow, InvalidInputError, WindowConfig
+from kamera_sdk.stats import Work
+from tests.conftest import ANCHOR, random_ids, tiny_engine
+
+PROMPT = [9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("llama", seed=3)
+
+
+def _reprefill(engine, win: ContextWindow) -> torch.Tensor:
+    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
+    res = engine.forward(ids + PROMPT, engine.anchor_kv, len(ANCHOR), logits="last")
+    return torch.log_softmax(res.logits[-1].float(), dim=-1)
+
+
+def _greedy(win: ContextWindow, n: int) -> list[int]:
+    """``n`` greedy tokens after the prompt (the tiny engine has no tokenizer for ``generate``)."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(win.next_token_logprobs(PROMPT + out).argmax()))
+    return out
+
+
+def _session(engine, config: WindowConfig, idle: str) -> tuple[list[torch.Tensor], list[list[int]], ContextWindow]:
+    """A scripted session; ``idle``: what happens in the agent's idle time after each known operation."""
+    win = ContextWindow(engine, config=config)
+    for i in range(4):
+        win.add(random_ids(12 + i, seed=100 + i))
+    lps, answers = [win.next_token_logprobs(PROMPT)], []
+    for step in range(7):
+        win.slide(1)
+        if idle == "prepare":
+            win.prepare()
+        elif idle == "thread":
+            deadline = time.time() + 5
+            while win.background_pending and time.time() < deadline:
+                time.sleep(0.01)
+        if step % 3 == 2:
+            win.recall(win.evicted[0])
+        else:
+            win.add(random_ids(10 + step, seed=200 + step))
+        if step == 4:
+            win.reorder(list(reversed(win.chunks)))
+        lps.append(win.next_token_logprobs(PROMPT))
+        answers.append(_greedy(win, 3))
+    return lps, answers, win
+
+
+def test_results_do_not_depend_on_what_finished_in_the_background(engine) -> None:
+    base_lps, base_answers, base = _session(engine, WindowConfig(rank=4, background="manual"), "none")
+    runs = {
+        "prepare": _session(engine, WindowConfig(rank=4, background="manual"), "prepare"),
+        "partial": _session(engine, WindowConfig(rank=4, background="manual", background_budget_tokens=12), "prepare"),
+        "thread": _session(engine, WindowConfig(rank=4, background="auto"), "thread"),
+    }
+    for name, (lps, answers, win) in runs.items():
+        assert answers == base_answers, name
+        assert all(torch.equal(a, b) for a, b in zip(lps, base_lps, strict=True)), name
+        assert win.chunks == base.chunks
+    st_none, st_full = base.stats(), runs["prepare"][2].stats()
+    assert not st_none.background_done and st_none.background_inline["survivors"] >= 7
+    assert st_full.background_done["survivors"] >= 7 and "survivors" not in st_full.background_inline
+    assert st_full.background_tokens > 0 and st_none.background_tokens == 0
+    # idle time took the survivors off the critical path
+    assert st_full.tokens_prefilled < st_none.tokens_prefilled
+    partial = runs["partial"][2].stats()
+    assert partial.background_inline  # the budget left work to the foreground
+    assert any(d.source == "background" for d in st_full.decisions)
+    assert runs["thread"][2].stats().background_done
+
+
+def test_background_survivors_are_exact(engine) -> None:
+    """With background work on, survivors are re-conditioned on what remains: the window equals re-prefill
+    (to float rounding), where rotation-only survivors keep what slid out."""
+    for idle in ("none", "prepare"):
+        win = ContextWindow(engine, config=WindowConfig(rank=4, background="manual"))
+        for i in range(4):
+            win.add(random_ids(12 + i, seed=100 + i))
+        win.next_token_logprobs(PROMPT)
+        win.slide(1)
+        if idle == "prepare":
+            win.prepare()
+        win.add(random_ids(9, seed=7))
+        assert (win.next_token_logprobs(PROMPT) - _reprefill(engine, win)).abs().max() < 1e-4
+    off = ContextWindow(engine, rank=4)
+    for i in range(4):
+        off.add(random_ids(12 + i, seed=100 + i))
+    off.next_token_logprobs(PROMPT)
+    off.slide(1)
+    off.add(random_ids(9, seed=7))
+    assert (off.next_token_logprobs(PROMPT) - _reprefill(engine, off)).abs().max() > 1e-3
+
+
+def test_canonicals_of_content_prefilled_in_context_are_deferred(engine) -> None:
+    win = ContextWindow(engine, config=WindowConfig(rank=4, background="manual"))
+    first = win.add(random_ids(12, seed=1))
+    second = win.add(random_ids(12, seed=2))
+    assert win.chunk(first).canonical is not None  # it leads: its canonical is exact and needed
+    assert win.chunk(second).canonical is None  # prefilled in context at its first use
+    assert win.stats().background_queued == {"canonical": 1}
+    win.prepare()
+    assert win.chunk(second).canonical is not None
+    assert win.stats().work[Work.BACKGROUND].tokens == 12
+
+
+def test_background_off_is_todays_window(engine) -> None:
+    win = ContextWindow(engine, rank=4)
+    for i in range(3):
+        win.add(random_ids(12 + i, seed=100 + i))
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    assert win.background_pending == 0 and win.prepare() == 0
+    assert win.stats().survivors_rotated == 0  # counted at the next use
+    win.next_token_logprobs(PROMPT)
+    assert win.stats().survivors_rotated == 1
+
+
+def test_background_option_is_checked() -> None:
+    with pytest.raises(InvalidInputError):
+        WindowConfig(background="sometimes")
+    with pytest.raises(InvalidInputError):
+        WindowConfig(background_budget_tokens=0)
+
+
+def _critical(engine, policy: str, config: WindowConfig | None, ops: list[tuple[str, int]]) -> list[int]:
+    """Tokens each step's operation plus question ran on the critical path (background work excluded)."""
+    win = ContextWindow(engine, policy=policy, config=config)
+    out = []
+    for op, arg in ops:
+        before = win.stats()
+        if op == "add":
+            win.add(random_ids(6 + arg % 7, seed=500 + arg))
+        elif op == "slide" and len(win) > 1:
+            win.slide(1)
+            win.prepare()  # the idle time before the step (a no-op for recompute)
+        elif op == "evict" and len(win) > 1:
+            win.evict(win.chunks[arg % len(win)])
+        elif op == "recall" and win.evicted:
+            win.recall(win.evicted[arg % len(win.evicted)])
+        elif op == "reorder" and len(win) > 1:
+            order = list(win.chunks)
+            order.insert(0, order.pop(arg % len(order)))
+            win.reorder(order)
+        if not len(win):
+            win.add(random_ids(8, seed=900 + arg))
+        win.next_token_logprobs(PROMPT)
+        after = win.stats()
+        out.append(
+            sum(after._work(w).tokens - before._work(w).tokens for w in (Work.INGEST, Work.CONTEXT, Work.PROMPT))
+        )
+    return out
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["add", "slide", "evict", "recall", "reorder"]), st.integers(0, 20)),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_critical_path_never_prefills_more_than_recompute(ops) -> None:
+    """Over random operation sequences: each step's operation plus question runs no more tokens on the
+    critical path with background work on (idle time before each slide) than recompute's build plus
+    question."""
+    engine = _ENGINE
+    ops = [("add", 0), ("add", 1), *ops]
+    kam = _critical(engine, "kamera", WindowConfig(rank=4, background="manual"), ops)
+    rec = _critical(engine, "recompute", None, ops)
+    assert all(k <= r for k, r in zip(kam, rec, strict=True)), (kam, rec)
+
+
+_ENGINE = tiny_engine("llama", seed=3)
