@@ -201,3 +201,18 @@ def to_cache(past: Past, config: Any, *, reserve: int = 0, device: torch.device 
         else:  # a layer type of the model's own (sliding, ...): let it take the tokens its way
             cache.update(k, v, layer)
     return cache
+
+
+def reserved_cache(
+    keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], filled: int, config: Any
+) -> DynamicCache | None:
+    """A transformers cache over existing per-layer ``(1, H, rows, D)`` tensors (any strides), read and
+    written in place: the first ``filled`` rows are the past, the rest is room the next forward writes
+    its tokens into (growing past it by concatenation, as :func:`to_cache`'s reserve does). None when
+    the model's cache has layers of its own kind (sliding, ...), which take their tokens their own way."""
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != len(keys) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.layers[i] = _ReservedLayer(k, v, filled)
+    return cache

@@ -24,7 +24,7 @@ from . import fused_apply as fused
 from .errors import InvalidInputError
 from .kernels import dispatch as gpu_kernels
 from .kv import KV
-from .rope import RopeSpec, apply_rotation_, rotate_keys, rotation_table
+from .rope import RopeSpec, apply_rotation_, rotate_keys, rotation_table, work_dtype
 
 
 @dataclass(slots=True)
@@ -235,14 +235,17 @@ def reconstruct(canonical: KV, patch: Patch | None) -> KV:
         keys, values = torch.empty_like(canonical.keys), torch.empty_like(canonical.values)
         _fused(canonical, patch, keys, values)
         return KV(keys, values, None, canonical.deltas)
-    keys, values = canonical.keys.clone(), canonical.values.clone()
-    idx = torch.tensor(patch.layers, dtype=torch.long)
+    # 16-bit KV: canonical + U V^T in float32, rounded once (a bf16 GEMM and a bf16 add would round twice)
+    work = work_dtype(canonical.keys.dtype)
+    keys, values = canonical.keys.to(work, copy=True), canonical.values.to(work, copy=True)
+    idx = torch.tensor(patch.layers, dtype=torch.long, device=keys.device)
     # (Lp, T, m) @ (Lp, m, H*D) -> (Lp, T, H*D), added into the patched layers
-    dk = torch.bmm(patch.k_u.to(keys.dtype), patch.k_vt.to(keys.dtype)).view(len(idx), n_tok, *keys.shape[2:])
-    dv = torch.bmm(patch.v_u.to(values.dtype), patch.v_vt.to(values.dtype)).view(len(idx), n_tok, *values.shape[2:])
+    dk = torch.bmm(patch.k_u.to(work), patch.k_vt.to(work)).view(len(idx), n_tok, *keys.shape[2:])
+    dv = torch.bmm(patch.v_u.to(work), patch.v_vt.to(work)).view(len(idx), n_tok, *values.shape[2:])
     keys.index_add_(0, idx, dk)
     values.index_add_(0, idx, dv)
-    return KV(keys, values, None, canonical.deltas)
+    dtype_k, dtype_v = canonical.keys.dtype, canonical.values.dtype
+    return KV(keys.to(dtype_k), values.to(dtype_v), None, canonical.deltas)
 
 
 def apply_patch(
@@ -285,9 +288,14 @@ def apply_patch(
     if gpu_kernels.serves(canonical.keys, canonical.values, keys, values):
         _apply_on_gpu(canonical, patch, spec, tgt, keys, values)
         return KV(keys, values, tgt, canonical.deltas)
-    cos, sin = rotation_table(spec, tgt, None, dtype=keys.dtype, device=keys.device)
+    # bf16 / fp16: every layer is computed in float32 and rounded once, on the store into ``keys``/``values``
+    work = work_dtype(keys.dtype)
+    cos, sin = rotation_table(spec, tgt, None, dtype=work, device=keys.device)
     if fused.usable(canonical.keys, canonical.values, keys, values):
         _fused(canonical, patch, keys, values, (spec, cos, sin))
+        return KV(keys, values, tgt, canonical.deltas)
+    if work != keys.dtype:
+        _apply_widened(canonical, patch, spec, cos, sin, keys, values)
         return KV(keys, values, tgt, canonical.deltas)
     fast = spec.style == "half" and spec.rotary_dim == canonical.keys.shape[-1]
     if fast:
@@ -319,6 +327,36 @@ def apply_patch(
             keys[layer].copy_(k_src)
             apply_rotation_(keys[layer], cos, sin, spec)
     return KV(keys, values, tgt, canonical.deltas)
+
+
+def _apply_widened(
+    canonical: KV,
+    patch: Patch | None,
+    spec: RopeSpec,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """``keys, values = R · (canonical + U V^T)`` for 16-bit KV: each layer widened to ``cos``'s dtype
+    (float32), patched and rotated there, and rounded once when it is written (what the Triton kernel
+    does in registers). Values without a patch are copied bit for bit."""
+    work = cos.dtype
+    n_tok = canonical.keys.shape[1]
+    rows = dict(zip(patch.layers, range(len(patch.layers)), strict=True)) if patch is not None else {}
+    for layer in range(canonical.keys.shape[0]):
+        k = canonical.keys[layer].to(work)  # (T, H, D)
+        j = rows.get(layer)
+        if j is not None:
+            assert patch is not None
+            k = torch.addmm(k.reshape(n_tok, -1), patch.k_u[j].to(work), patch.k_vt[j].to(work)).view_as(k)
+            v = torch.addmm(
+                canonical.values[layer].reshape(n_tok, -1).to(work), patch.v_u[j].to(work), patch.v_vt[j].to(work)
+            )
+            values[layer].copy_(v.view_as(values[layer]))
+        else:
+            values[layer].copy_(canonical.values[layer])
+        keys[layer].copy_(apply_rotation_(k, cos, sin, spec))  # ``k`` is a float32 copy: rotated in place
 
 
 # --- CUDA: the Triton kernels (engine/kernels), chosen by kernels.dispatch; torch's path above is the fallback

@@ -108,16 +108,31 @@ def rotate_keys(
 
     keys: (..., T, H, D) with the token axis third from the end (Kamera's token-major layout).
     Returns a new tensor of the same dtype. ``exact=True`` rotates in float64 (reference quality);
-    ``exact=False`` rotates in the key dtype (the fast serving path, error ~1 ulp of the dtype).
+    ``exact=False`` rotates in the key dtype (the fast serving path, error ~1 ulp of the dtype), except
+    for 16-bit keys, which rotate in float32 and are rounded once (see :func:`work_dtype`).
     """
     n = keys.shape[-3]
     tgt = None if target is None else _as_positions(target, n)
     src = None if source is None else _as_positions(source, n)
-    work = torch.float64 if exact else keys.dtype
+    work = torch.float64 if exact else work_dtype(keys.dtype)
     cos, sin = rotation_table(spec, tgt, src, dtype=work, device=keys.device)
     out = keys.to(work).clone()
     apply_rotation_(out, cos, sin, spec)
     return out.to(keys.dtype)
+
+
+#: 16-bit KV dtypes: arithmetic on them runs in float32 and rounds once to the dtype at the end
+HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the serving path computes a ``dtype`` KV in: float32 for bf16 / fp16, else ``dtype``.
+
+    bf16 has 8 significant bits: a rotation computed in bf16 rounds cos and sin, both products and the
+    sum (several ulps off); computed in float32 and rounded once it is within one bf16 ulp of the exact
+    rotation of the same stored key.
+    """
+    return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
 def apply_rotation_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

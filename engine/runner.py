@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from .errors import InvalidInputError, UnsupportedModelError
 from .kv import KV, Past, past_parts, to_cache
+from .window_buffer import BufferedKV
 
 
 @dataclass(slots=True)
@@ -59,11 +60,18 @@ class Prefilled:
 
 def past_cache(input_ids: torch.Tensor, past: Past, config: Any, device: torch.device) -> tuple[DynamicCache, int]:
     """Check a forward's inputs and build its cache: ``past`` (placed parts) copied once onto ``device``,
-    with room for ``input_ids``. Returns the cache and the past's length."""
+    with room for ``input_ids``; a past that is a view of a :class:`WindowBuffer` (all its rows) is not
+    copied at all when the buffer can lend the rows after it. Returns the cache and the past's length."""
     if input_ids.ndim != 1 or input_ids.numel() == 0:
         raise InvalidInputError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
     parts = past_parts(past)
-    cache = to_cache(parts, config, reserve=int(input_ids.shape[0]), device=device)
+    reserve = int(input_ids.shape[0])
+    if len(parts) == 1 and isinstance(parts[0], BufferedKV) and parts[0].buffer is not None:
+        # the window's buffer: the past is read where it lies and the new tokens land right after it
+        on_buffer = parts[0].buffer.cache(parts[0], reserve, config, device)
+        if on_buffer is not None:
+            return on_buffer, len(parts[0])
+    cache = to_cache(parts, config, reserve=reserve, device=device)
     return cache, sum(len(p) for p in parts)
 
 

@@ -24,6 +24,7 @@ import torch
 from kamera_engine import KV, Engine
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
+from kamera_engine.window_buffer import WindowBuffer
 
 from .chunks import Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch
 from .config import WindowConfig
@@ -41,16 +42,15 @@ log = logging.getLogger("kamera.window")
 class Execution:
     """The assembled window and what each slot now holds."""
 
-    parts: list[KV]  # anchor + every slot, placed, in order
-    placed: list[KV]  # per slot, placed
+    parts: list[KV]  # anchor + every slot, placed, in order (one view of the window's buffer)
+    placed: list[KV]  # per slot, placed (views of the buffer's rows)
     slots: list[Slot]  # new slot states (conditioned KV kept position-free when the policy keeps it)
     prompt: ForwardResult | None = None  # the prompt's forward, when it rode in the plan's trailing forward
 
     @cached_property
     def assembled(self) -> KV:
-        """The window as one KV (one copy, made on first use: a prompt that rode in the plan's forward
-        never needs it)."""
-        return KV.cat(self.parts)
+        """The window as one KV: the buffer's view when assembled in one (no copy), else one concatenation."""
+        return self.parts[0] if len(self.parts) == 1 else KV.cat(self.parts)
 
 
 #: sources served from the chunk's canonical (the loads worth starting before the forwards)
@@ -122,15 +122,17 @@ class Executor:
         prompt_result: ForwardResult | None = None
         if self.persistence is not None:  # loads overlap with the forwards below
             self.persistence.prefetch([sp.chunk for sp in plan.slots if sp.source in _FROM_CANONICAL])
-        parts: list[KV] = [e.anchor_kv]
+        # the window is written once into a buffer sized for it (and the prompt): forwards run on top of it
+        cap = max(plan.end, plan.anchor_len + (self.config.budget_tokens or 0)) + len(prompt or [])
+        buffer = WindowBuffer.like(e.anchor_kv, cap, device=e.device)
+        buffer.append(e.anchor_kv)
         placed: list[KV] = []
         new_slots: list[Slot] = []
         carried: dict[ChunkId, frozenset] = {}  # what each slot served so far carries (``Slot.absorbed``)
 
         def add(sp: SlotPlan, slot: Slot, kv: KV, *, formed: bool, free: KV | None = None) -> None:
             new = self._after(sp, slot, kv, keep_slot_kv, graph, step, formed=formed, prior=carried, free=free)
-            parts.append(kv)
-            placed.append(kv)
+            placed.append(buffer.append(kv))
             new_slots.append(new)
             carried[new.chunk_id] = new.absorbed
 
@@ -143,7 +145,7 @@ class Executor:
                     j += 1
                 run = plan.slots[i:j]
                 tail = prompt if fuse and j == len(plan.slots) else None
-                kvs, prompt_result = self._forward_run(run, parts, tail)
+                kvs, prompt_result = self._forward_run(run, [buffer.view()], tail)
                 for k, kv in enumerate(kvs):
                     add(run[k], slots[i + k], kv, formed=True)
                 i = j
@@ -152,8 +154,10 @@ class Executor:
             add(sp, slots[i], kv, formed=False, free=free)
             i += 1
         if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
-            assembled, placed = self._selective(plan, KV.cat(parts))
+            assembled, placed = self._selective(plan, buffer.view())
             parts = [assembled]
+        else:
+            parts = [buffer.view()]
         self.stats.window_kv_bytes = sum(p.nbytes for p in parts)
         self.stats.window_tokens = sum(len(p) for p in parts)
         return Execution(parts, placed, new_slots, prompt_result)
