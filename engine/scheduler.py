@@ -5,6 +5,8 @@ decoding under their own ``SamplingParams``). Each ``step()`` runs one batched f
 (``batch.batched_forward``): one token for every running decode, plus prompt tokens of requests still
 prefilling, up to ``step_tokens`` in all, so a long prompt is prefilled in chunks over several steps
 and never stalls everyone's decode. Requests join at the next step and leave when they finish.
+A window's own forwards (``Engine.forward`` under ``serving``) are carried: run at once as one more row
+of a step that advances every running decode (``carry``).
 
 A request's tokens stream back through its ``Request`` handle: a blocking iterator (which drives the
 scheduler itself when no thread does) and an async iterator. Requests under one submitter key (one
