@@ -298,6 +298,11 @@ class Engine:
     def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
         """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
         self.check_ids(input_ids)
+        batching = active_scheduler(self)
+        if batching is not None:  # in a step with every running decode, when some are running
+            carried = batching[0].carry(input_ids, past, start, logits)
+            if carried is not None:
+                return carried
         return run_forward(self.model, input_ids, past, start, logits=logits)
 
     @cached_property

@@ -5,6 +5,8 @@ decoding under their own ``SamplingParams``). Each ``step()`` runs one batched f
 (``batch.batched_forward``): one token for every running decode, plus prompt tokens of requests still
 prefilling, up to ``step_tokens`` in all, so a long prompt is prefilled in chunks over several steps
 and never stalls everyone's decode. Requests join at the next step and leave when they finish.
+A window's own forwards (``Engine.forward`` under ``serving``) are carried: run at once as one more row
+of a step that advances every running decode (``carry``).
 
 A request's tokens stream back through its ``Request`` handle: a blocking iterator (which drives the
 scheduler itself when no thread does) and an async iterator. Requests under one submitter key (one
@@ -27,11 +29,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import BaseModel
+from transformers import DynamicCache
 
 from .batch import Row, RowCache, batched_forward
 from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
+from .runner import ForwardResult
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -68,6 +72,8 @@ class SchedulerStats(BaseModel):
     queue_wait_s_total: float = 0.0
     queue_wait_s_max: float = 0.0
     forward_s: float = 0.0
+    carried: int = 0  # callers' own forwards (window work) that ran in a step with the running decodes
+    carried_tokens: int = 0
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
     kv_budget_bytes: int | None = None
@@ -365,6 +371,64 @@ class Scheduler:
                 req.state = "decode"
                 self._take(req, lg)
             return True
+
+    def carry(self, ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult | None:
+        """Run a caller's own forward (``Engine.forward``: a window's new page, its prompt, a cascade) as one
+        more row of a step that also advances every running decode by one token, so window work never
+        stalls the decode batch and the decodes ride on the forward's weight reads.
+
+        Returns None (the caller runs its forward alone, as it would without a scheduler) when nothing is
+        decoding, when another thread drives the scheduler, or when the combined forward fails (the decode
+        rows are rolled back and go on at the next step). The forward is counted by ``Engine.forward``;
+        this step is not counted again in the engine's counters."""
+        if self._driven_elsewhere() or logits not in ("last", "all", "none"):
+            return None
+        with self._step_lock:
+            self._admit()  # answers submitted since the last step join (a prefilled one starts decoding)
+            with self._lock:
+                decoding = [r for r in self._running if r.state == "decode"][: self.max_rows - 1]
+            if not decoding:
+                return None
+            device = next(self.engine.model.parameters()).device
+            n = int(ids.numel())
+            cache = RowCache.from_past(past, self.engine.num_layers, reserve=n, device=device)
+            n_past = len(cache)
+            plan = _Plan()
+            for req in decoding:
+                assert req._cache is not None
+                plan.rows.append(Row.at(req._cache, [req.generated[-1]], req._position))
+                plan.requests.append(req)
+                plan.finishing_prompt.append(False)
+                plan.decode_rows += 1
+            own = Row.at(cache, ids, start, logits="all" if logits == "all" else "last")
+            t0 = time.perf_counter()
+            try:
+                out = batched_forward(self.engine.model, [*plan.rows, own])
+            except Exception:
+                return None  # every row rolled back: the caller's forward runs alone, the decodes next step
+            dt = time.perf_counter() - t0
+            for req in decoding:
+                req._position += 1
+            s = self._stats
+            s.steps += 1
+            s.carried += 1
+            s.carried_tokens += n
+            s.rows_total += len(plan.rows) + 1
+            s.batch_max = max(s.batch_max, len(plan.rows) + 1)
+            s.forward_s += dt
+            s.decode_tokens += plan.decode_rows
+            for req, lg in zip(decoding, out, strict=False):
+                if req.state == "decode" and lg is not None:
+                    self._take(req, lg)
+        own_logits = out[-1]
+        assert own_logits is not None
+        positions = torch.arange(start, start + n, dtype=torch.long)
+        layers = cache.layers()
+        dyn = DynamicCache(config=self.engine.model.config)
+        for i, (k, v) in enumerate(layers):
+            dyn.update(k, v, i)
+        kv = cache.kv(n_past, n_past + n, positions)
+        return ForwardResult(kv, own_logits if logits == "all" else own_logits[None], dyn)
 
     def _alone(self, plan: _Plan) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []

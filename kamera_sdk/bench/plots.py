@@ -1,5 +1,5 @@
 """Plots for the docs, drawn from benchmark JSON (``python -m kamera_sdk.bench.plots RESULT.json docs/img``;
-operator, window and compare results are told apart by their keys; several ``--shape`` results draw one
+operator, window, compare and serve results are told apart by their keys; several ``--shape`` results draw one
 speedup-vs-shape figure).
 
 matplotlib is an optional extra (``kamera[plots]``); it is imported lazily.
@@ -263,6 +263,37 @@ def shape_plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return [path]
 
 
+def serve_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Throughput (tokens/s) and p95 answer latency against concurrent sessions, batched vs one at a time
+    (``kamera bench serve --json``)."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = sorted(int(n) for n in result["sessions"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for mode, label in (("batched", "batched (scheduler)"), ("sequential", "one answer at a time")):
+        rows = [result["sessions"][str(n)][mode] for n in counts]
+        left.plot(counts, [r["tokens_per_s"] for r in rows], "o-", label=label)
+        right.plot(counts, [r["p95_s"] for r in rows], "o-", label=label)
+    for ax, what in ((left, "answer tokens / s"), (right, "p95 answer latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.set_xlabel("concurrent sessions")
+        ax.set_ylabel(what)
+    left.legend(fontsize=8)
+    for n in counts:
+        left.annotate(
+            f"{result['throughput_ratio'][str(n)]:.2f}x",
+            (n, result["sessions"][str(n)]["batched"]["tokens_per_s"]),
+            fontsize=7,
+        )
+    fig.suptitle(f"kamera bench serve, {result['model']} on {result['device']}", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "serve_vs_sessions.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) < 2:
@@ -280,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     result = results[0]
     if "eta" in result:
         paths = operator_plots(result, out)
+    elif "throughput_ratio" in result:
+        paths = serve_plot(result, out)
     elif "matched_bytes" in result:
         paths = compare_plots(result, out)
     elif "act_seconds" in result:

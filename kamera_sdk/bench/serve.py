@@ -1,15 +1,21 @@
 """``kamera bench serve``: concurrent agent sessions on one server, batched vs one answer at a time.
 
 The engine is served on loopback twice (``create_app(engine, batch=True)`` and ``batch=False``); for N
-in 1, 8, 32 concurrent sessions, each session runs an agent-like loop: add a page, ask a question
-(streamed answer), slide the oldest page out once it holds three. Per mode and N: tokens/s and
-requests/s over the run, TTFT and latency p50/p95 of the answers, the process's peak RSS and, batched,
-the scheduler's batch sizes and peak KV bytes.
+in 1, 8, 32 concurrent sessions, each session runs an agent-like loop per round: add a page (a tool
+result of about 56 tokens), ask for a one-sentence answer about it (streamed, ``max_new_tokens`` 48, or
+32 with ``quick``), then slide the oldest page out once the window holds three. Per mode and N:
+tokens/s and requests/s over the run, TTFT and latency p50/p95 of the answers, mean answer length, the
+process's peak RSS and, batched, the scheduler's batch sizes, carried window forwards and peak KV bytes.
+
+The run also measures the ceiling batching has on this machine (``ceiling``): one decode step of 1, 8
+and 32 rows against one row (the decode-only speedup), and a page-sized prefill against a decode step
+(prefill is compute-bound: its cost grows with its tokens and a batch does not make it cheaper).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
 import statistics
@@ -52,6 +58,11 @@ def _served(engine: Engine, batch: bool) -> Iterator[tuple[str, Any]]:
         server.should_exit = True
         thread.join(timeout=60)
         sock.close()
+
+
+def _question(session: int, step: int) -> str:
+    """An agent step's question: one sentence about the page just added (answers of ~10 to 48 tokens)."""
+    return f"In one sentence, what does report {step} say is at number {session * 13 + step}?"
 
 
 def _ask(client: httpx.Client, sid: str, prompt: str, max_new_tokens: int) -> tuple[float, float, int]:
@@ -105,7 +116,7 @@ def _load(url: str, sessions: int, rounds: int, max_new_tokens: int) -> dict[str
             for step in range(rounds):
                 client.post(f"/v1/sessions/{sid}/chunks", json={"text": _page(i, step)}).raise_for_status()
                 held += 1
-                ttft, lat, n = _ask(client, sid, f"What is at number {i * 13 + step}? Answer briefly.", max_new_tokens)
+                ttft, lat, n = _ask(client, sid, _question(i, step), max_new_tokens)
                 with lock:
                     ttfts.append(ttft)
                     lats.append(lat)
@@ -139,6 +150,7 @@ def _load(url: str, sessions: int, rounds: int, max_new_tokens: int) -> dict[str
         "p95_s": _pct(lats, 0.95),
         "answers": len(lats),
         "tokens": sum(tokens),
+        "answer_tokens_mean": sum(tokens) / len(tokens) if tokens else 0.0,
         "elapsed_s": elapsed,
         "errors": errors,
     }
@@ -148,9 +160,51 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, repeat: int = 3) -> dict[str, Any]:
+    """What batching can gain on this machine: seconds of one decode step of 1, 8 and 32 rows (each row a
+    window of ``past_tokens``), the decode-only speedup of B rows over B single steps, and one prefill of
+    ``page_tokens`` (a page) in decode steps."""
+    import torch
+
+    from kamera_engine.batch import Row, RowCache, batched_forward
+
+    ids = [int(t) % engine.vocab_size for t in range(100, 100 + past_tokens)]
+    past = engine.forward(ids, None, 0, logits="none").kv
+
+    def timed(fn: Any) -> float:
+        fn()  # warm
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat
+
+    decode_s: dict[str, float] = {}
+    for b in (1, 8, 32):
+        caches = [RowCache.from_past(past, engine.num_layers, reserve=repeat + 2) for _ in range(b)]
+        decode_s[str(b)] = timed(lambda c=caches: batched_forward(engine.model, [Row.at(x, [5], len(x)) for x in c]))
+    page = RowCache.from_past(past, engine.num_layers, reserve=page_tokens)
+    mark = page.mark()
+
+    def prefill() -> None:
+        page.rollback(mark)
+        batched_forward(engine.model, [Row.at(page, ids[:page_tokens], past_tokens)])
+
+    prefill_s = timed(prefill)
+    one = decode_s["1"]
+    return {
+        "decode_step_s": decode_s,
+        "decode_speedup": {b: int(b) * one / t for b, t in decode_s.items()},
+        "prefill_s": prefill_s,
+        "prefill_tokens": page_tokens,
+        "prefill_over_decode_step": prefill_s / one,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
     """Batched vs one-at-a-time over ``counts`` concurrent sessions (``quick``: fewer rounds, shorter answers)."""
-    rounds, max_new = (2, 16) if quick else (3, 32)
+    rounds, max_new = (2, 32) if quick else (3, 48)
+    load_before = os.getloadavg()
     sessions: dict[str, dict[str, Any]] = {}
     ratio: dict[str, float] = {}
     for n in counts:
@@ -160,21 +214,28 @@ def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8,
             with _served(engine, batch) as (url, app):
                 row[mode] = _load(url, n, rounds, max_new)
                 row[mode]["peak_rss_bytes"] = _peak_rss_bytes()
+                row[mode]["load_avg_1m"] = os.getloadavg()[0]
                 sched = app.state.kamera.scheduler
                 if sched is not None:
                     s = sched.stats()
                     row[mode]["batch_mean"] = s.batch_mean
                     row[mode]["batch_max"] = s.batch_max
+                    row[mode]["carried_forwards"] = s.carried
                     row[mode]["kv_bytes_peak"] = s.kv_bytes_peak
                     row[mode]["queue_wait_s_max"] = s.queue_wait_s_max
         sessions[str(n)] = row
         seq = row["sequential"]["tokens_per_s"]
         ratio[str(n)] = row["batched"]["tokens_per_s"] / seq if seq else 0.0
+    print("serve: ceiling (decode rows vs one, prefill vs decode)", file=sys.stderr)
     return {
         "sessions": sessions,
         "throughput_ratio": ratio,
+        "ceiling": ceiling(engine),
         "rounds": rounds,
         "max_new_tokens": max_new,
+        "load_avg_before": list(load_before),
+        "load_avg_after": list(os.getloadavg()),
+        "cpu_count": os.cpu_count(),
         "model": engine.name,
         "device": str(engine.device),
     }

@@ -28,7 +28,7 @@ from ..chat_format import OpenTurnFormat
 from ..tools import ToolCall, ToolSpec, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
-from .ops import Limits, add_image, check_tokens, decode_image
+from .ops import Limits, add_image, check_tokens, decode_image, first_piece
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
@@ -259,5 +259,5 @@ def start_chat(
         computed = len(prompt_ids)
         context = anchor
     total = context + len(prompt_ids)
-    first = next(pieces, None)
+    first = first_piece(pieces)
     return ChatStart(pieces, first, total, max(0, total - computed))

@@ -18,6 +18,7 @@ from ..chunks import content_id
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .schemas import ChunkAdd, GenerateRequest, LogprobsResult, TopToken, WindowState
+from .worker import streams_from_scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +94,17 @@ def logprobs(win: ContextWindow, prompt: str | list[int], top_k: int | None) -> 
     )
 
 
+def first_piece(pieces: TextStream) -> str | None:
+    """The answer's first piece, pulled in this job only when the answer does not come from a scheduler.
+
+    A scheduler's answer is submitted and left to stream: waiting for its first token here would hold the
+    model thread (and every other session's window work) through the prompt's prefill."""
+    return None if streams_from_scheduler(pieces) else next(pieces, None)
+
+
 def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[TextStream, str | None]:
-    """Prefill the prompt and decode the first piece; the rest is pulled one step per job."""
+    """Materialise the window and submit the answer; without a scheduler, decode its first piece too (the
+    rest is pulled one step per job)."""
     pieces = win.generate(
         req.prompt,
         req.max_new_tokens,
@@ -104,4 +114,4 @@ def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[TextStream
         stop=req.stop,
         seed=req.seed,
     )
-    return pieces, next(pieces, None)
+    return pieces, first_piece(pieces)

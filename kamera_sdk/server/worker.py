@@ -58,7 +58,7 @@ class ModelWorker:
         one job per item on the model thread."""
         loop = asyncio.get_running_loop()
         # only a scheduler's stream waits off the model thread; any other iterator runs model work itself
-        batched = self.scheduler is not None and isinstance(getattr(it, "source", it), Request)
+        batched = self.scheduler is not None and streams_from_scheduler(it)
         try:
             while True:
                 if batched:
@@ -140,6 +140,11 @@ class ModelWorker:
         except Exception as exc:  # a step's own failures are handed to its requests; this is a bug
             log.exception("scheduler step failed: %s", exc)
             return False
+
+
+def streams_from_scheduler(it: object) -> bool:
+    """Whether ``it`` (a ``Request``, or a ``TextStream`` over one) gets its tokens from a scheduler's steps."""
+    return isinstance(getattr(it, "source", it), Request)
 
 
 def _logged(fn: Callable[[], Any]) -> Callable[[], None]:

@@ -1,0 +1,28 @@
+"""``kamera bench serve`` on a tiny engine: the fixed JSON keys, both arms answer every question, and the
+batched arm really batches (tiny random model behind the default tokenizer, real uvicorn on loopback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kamera_sdk.bench import serve
+from tests.conftest import tiny_chat_engine
+
+
+def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
+    result = serve.run(tiny_chat_engine(), quick=True, counts=(1, 3))
+    assert set(result["sessions"]) == {"1", "3"} and set(result["throughput_ratio"]) == {"1", "3"}
+    for n in ("1", "3"):
+        for mode in ("batched", "sequential"):
+            arm = result["sessions"][n][mode]
+            assert arm["errors"] == [] and arm["answers"] == int(n) * result["rounds"]
+            assert arm["tokens_per_s"] > 0 and arm["p95_s"] >= arm["p50_s"] > 0
+        ratio = result["sessions"][n]["batched"]["tokens_per_s"] / result["sessions"][n]["sequential"]["tokens_per_s"]
+        assert abs(result["throughput_ratio"][n] - ratio) < 1e-9
+    assert result["sessions"]["3"]["batched"]["batch_max"] >= 2
+    ceiling = result["ceiling"]
+    assert set(ceiling["decode_step_s"]) == {"1", "8", "32"} and ceiling["decode_speedup"]["1"] == 1.0
+    from kamera_sdk.bench.plots import serve_plot
+
+    (path,) = serve_plot(result, tmp_path)
+    assert path.stat().st_size > 0
