@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from kamera_engine import (
     KV,
     ChunkNotFoundError,
+    ContextLengthError,
     Engine,
     Grammar,
     InvalidInputError,
@@ -48,11 +49,15 @@ from .placement import best_order
 from .plan import Plan, Source
 from .policies import ReusePolicy, WindowView, make_policy
 from .slots import Slot
+from .splitting import split_text
 from .stats import Decision, WindowStats, Work
 from .store import ChunkStore, default_store_path, open_store
 from .window_state import WindowState
 
 log = logging.getLogger("kamera.window")
+
+#: default size of the chunks ``add_document`` splits a long text into (tokens)
+DOCUMENT_CHUNK_TOKENS = 256
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -278,6 +283,24 @@ class ContextWindow:
         return chunk_id
 
     @foreground()
+    def add_document(self, text: str, *, max_chunk_tokens: int | None = None) -> list[ChunkId]:
+        """Append a long text as a run of text chunks split at paragraph, then sentence, then word
+        boundaries, each at most ``max_chunk_tokens`` tokens (default: 256, or the window's budget if
+        smaller); returns their ids in order. The pieces joined are the text; every piece is checked
+        before any is added, so a refusal changes nothing."""
+        if max_chunk_tokens is None:
+            budget = self.config.budget_tokens
+            max_chunk_tokens = DOCUMENT_CHUNK_TOKENS if budget is None else min(DOCUMENT_CHUNK_TOKENS, budget)
+        pieces = split_text(text, lambda t: len(self.engine.tokenize(t)), max_chunk_tokens)
+        chunks = []
+        for piece in pieces:
+            if not piece.strip():  # whitespace alone between boundaries carries nothing: no chunk of its own
+                continue
+            cid = content_id("text", piece.encode())
+            chunks.append(self.known(cid) or Chunk(cid, "text", self.engine.tokenize(piece), text=piece))
+        return self.admit(*chunks)
+
+    @foreground()
     def add_image(self, image: object, **kwargs: object) -> ChunkId:
         """Append an image chunk (PIL image, path, bytes or http(s) URL; VLM engines). See ``vision``."""
         return vision.add_image(self, self._state.media, image, **kwargs)  # type: ignore[arg-type]
@@ -341,9 +364,19 @@ class ContextWindow:
         return cid
 
     def _check_fits(self, chunk: Chunk) -> None:
+        """A chunk larger than the budget, or than the model's context with the anchor, is refused (a long
+        text is told how to split itself)."""
+        hint = "; a long text can be added as a run of chunks: win.add_document(text, max_chunk_tokens=N)"
+        hint = hint if chunk.kind not in VISION_KINDS else ""
         budget = self.config.budget_tokens
         if budget is not None and len(chunk) > budget:
-            raise InvalidInputError(f"a chunk of {len(chunk)} tokens does not fit in budget_tokens={budget}")
+            raise InvalidInputError(f"a chunk of {len(chunk)} tokens does not fit in budget_tokens={budget}{hint}")
+        limit, anchor = self.engine.context_length, len(self.engine.anchor_ids)
+        if limit is not None and anchor + len(chunk) > limit:
+            raise ContextLengthError(
+                f"a chunk of {len(chunk)} tokens does not fit the model's context length of {limit} "
+                f"(with the {anchor}-token chat anchor){hint}"
+            )
 
     # --- window operations ---------------------------------------------------------------------
     @foreground()
