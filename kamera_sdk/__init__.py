@@ -40,7 +40,7 @@ from .plan import Plan, Source
 from .policies import POLICIES, ReusePolicy, register_policy
 from .stats import WindowStats
 from .store import ChunkStore, open_store
-from .tools import ToolCall, ToolSpec, json_grammar, parse_tool_call, tool_grammar
+from .tools import ToolCall, ToolSpec, closed_schema, json_grammar, parse_tool_call, tool_grammar, tools_prompt
 from .window import ContextWindow, DisposabilityResult
 
 __version__ = "0.1.0"
@@ -105,10 +105,12 @@ __all__ = [
     "WindowOperationError",
     "WindowStats",
     "__version__",
+    "closed_schema",
     "create_app",
     "json_grammar",
     "open_store",
     "parse_tool_call",
     "register_policy",
     "tool_grammar",
+    "tools_prompt",
 ]

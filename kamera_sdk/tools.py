@@ -88,3 +88,37 @@ def _calls_schema(tools: Sequence[ToolSpec]) -> dict[str, Any]:
     ]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": _COMPACT}
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its properties and says
+    nothing about others (OpenAI's strict mode does the same): under a grammar, an open object lets the model
+    invent keys until ``max_tokens`` runs out instead of closing the call."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), Mapping):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
+
+
+def tools_prompt(tools: Sequence[ToolSpec], choice: str) -> str:
+    """The system turn that tells the model which tools it has and how a call is written."""
+    lines = [json.dumps(t.model_dump(), separators=(",", ":"), ensure_ascii=False) for t in tools]
+    how = 'To call a tool, reply with only a JSON object: {"name":<tool name>,"arguments":<its arguments>}.'
+    when = "" if choice != "auto" else " If no tool is needed, answer in plain text."
+    return "You can call these tools:\n" + "\n".join(lines) + "\n" + how + when

@@ -16,7 +16,15 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk, InvalidToolCall, ToolCall, ToolCallChunk
 
-from kamera_sdk import Grammar, InvalidInputError, ToolSpec, json_grammar, parse_tool_call, tool_grammar
+from kamera_sdk import (
+    Grammar,
+    InvalidInputError,
+    ToolSpec,
+    closed_schema,
+    json_grammar,
+    parse_tool_call,
+    tool_grammar,
+)
 
 #: tool_choice values that force a call of one of the tools
 _ANY = frozenset({"any", "required"})
@@ -57,32 +65,6 @@ def choice_name(tool_choice: Any) -> str | None:
     )
 
 
-def closed(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object that lists its properties and says
-    nothing about others (OpenAI's strict mode does the same): under a grammar, an open object lets the model
-    invent keys until ``max_tokens`` runs out instead of closing the call."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out: dict[str, Any] = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: closed(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(sub) for sub in out[key]]
-    for key in _SCHEMA_ONE:
-        if isinstance(out.get(key), Mapping):
-            out[key] = closed(out[key])
-    if isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
-
-
 def tool_specs(tools: Sequence[Any]) -> list[ToolSpec]:
     """OpenAI tool dicts (what ``bind_tools`` stores) as Kamera ``ToolSpec``s."""
     specs = []
@@ -95,7 +77,7 @@ def tool_specs(tools: Sequence[Any]) -> list[ToolSpec]:
                 ToolSpec(
                     name=fn["name"],
                     description=str(fn.get("description") or ""),
-                    parameters=closed(dict(fn.get("parameters") or {"type": "object", "properties": {}})),
+                    parameters=closed_schema(dict(fn.get("parameters") or {"type": "object", "properties": {}})),
                 )
             )
         except ValueError as exc:
@@ -122,7 +104,7 @@ def closed_format(response_format: Any) -> Any:
     spec = response_format.get("json_schema") if isinstance(response_format, Mapping) else None
     if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
         return response_format
-    return {**response_format, "json_schema": {**spec, "schema": closed(spec["schema"])}}
+    return {**response_format, "json_schema": {**spec, "schema": closed_schema(spec["schema"])}}
 
 
 def format_grammar(response_format: Any) -> Grammar:
@@ -137,14 +119,6 @@ def format_grammar(response_format: Any) -> Grammar:
             raise InvalidInputError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
         return json_grammar(schema)
     raise InvalidInputError(f"response_format must be of type json_object or json_schema, got {response_format!r}")
-
-
-def tools_prompt(tools: Sequence[ToolSpec], choice: str) -> str:
-    """The system turn that tells the model which tools it has and how a call is written."""
-    lines = [json.dumps(t.model_dump(), separators=(",", ":"), ensure_ascii=False) for t in tools]
-    how = 'To call a tool, reply with only a JSON object: {"name":<tool name>,"arguments":<its arguments>}.'
-    when = "" if choice != "auto" else " If no tool is needed, answer in plain text."
-    return "You can call these tools:\n" + "\n".join(lines) + "\n" + how + when
 
 
 def tool_message(text: str, shape: AnswerShape, finish: str) -> tuple[AIMessage, str]:

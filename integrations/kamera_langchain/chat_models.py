@@ -45,6 +45,7 @@ from kamera_sdk import (
     TextStream,
     WindowConfig,
     open_store,
+    tools_prompt,
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
@@ -58,7 +59,6 @@ from ._tools import (
     tool_chunk,
     tool_message,
     tool_specs,
-    tools_prompt,
 )
 
 #: Name reported before the default engine is loaded (``Engine.load()`` names it the same).
@@ -455,8 +455,7 @@ class ChatKamera(BaseChatModel):
             "seed": sampling["seed"],
             "stop": sampling["stop"],
         }
-        if shape.calls_tools:  # the server holds the model to the tools; the description is sent from here
-            payload.insert(0, {"role": "system", "content": tools_prompt(shape.tools, shape.choice)})
+        if shape.calls_tools:  # the server describes the tools to the model and holds it to them
             options["tools"] = [{"type": "function", "function": t.model_dump()} for t in shape.tools]
             options["tool_choice"] = remote_tool_choice(shape.choice)
         elif shape.response_format is not None:

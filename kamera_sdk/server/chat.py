@@ -25,7 +25,7 @@ from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
 from kamera_engine.decode import TextStream, stop_strings
 
 from ..chat_format import OpenTurnFormat
-from ..tools import ToolCall, ToolSpec, json_grammar, parse_tool_call, tool_grammar
+from ..tools import ToolCall, ToolSpec, closed_schema, json_grammar, parse_tool_call, tool_grammar, tools_prompt
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .ops import Limits, add_image, check_tokens, decode_image, first_piece
@@ -168,7 +168,8 @@ def request_tools(req: ChatCompletionRequest) -> list[ToolSpec]:
     for tool in req.tools:
         fn = tool.function
         try:
-            specs.append(ToolSpec(name=fn.name, description=fn.description or "", parameters=fn.parameters or {}))
+            parameters = closed_schema(fn.parameters or {"type": "object", "properties": {}})
+            specs.append(ToolSpec(name=fn.name, description=fn.description or "", parameters=parameters))
         except ValueError as exc:
             raise InvalidInputError(f"tool {fn.name!r}: {exc}") from None
     return specs
@@ -180,9 +181,7 @@ def answer_grammar(req: ChatCompletionRequest) -> Grammar | None:
     if tools and req.response_format is not None and req.response_format.type != "text":
         raise InvalidInputError("pass tools or a JSON response_format, not both")
     if tools:
-        choice = req.tool_choice
-        name = choice if isinstance(choice, str) or choice is None else choice.function.name
-        return tool_grammar(tools, "auto" if name is None else name)
+        return tool_grammar(tools, tool_choice_name(req))
     if req.response_format is None or req.response_format.type == "text":
         return None
     if req.response_format.type == "json_object":
@@ -190,6 +189,14 @@ def answer_grammar(req: ChatCompletionRequest) -> Grammar | None:
     if req.response_format.json_schema is None:
         raise InvalidInputError("response_format of type json_schema needs its json_schema object")
     return json_grammar(req.response_format.json_schema.schema_)
+
+
+def tool_choice_name(req: ChatCompletionRequest) -> str:
+    """``"auto"``, ``"required"`` or the name of the one tool the request forces."""
+    choice = req.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.function.name
 
 
 def answer_message(req: ChatCompletionRequest, text: str, finish: str) -> tuple[ChatCompletionMessage, str]:
@@ -223,6 +230,10 @@ def start_chat(
     """
     fmt = turn_format(engine)
     items = [item for m in req.messages[:-1] for item in message_items(m, limits, fmt)]
+    tools = request_tools(req)
+    if tools:  # the grammar makes a call valid; this turn tells the model which tools it has and how to call
+        about = tools_prompt(tools, tool_choice_name(req))
+        items.insert(0, fmt.turn("system", about) if fmt is not None else f"system: {about}\n\n")
     last = req.messages[-1]
     prompt = prompt_text(last) if last.name is None else f"{last.name}: {prompt_text(last)}"
     if fmt is not None and items:  # a turn of its own after the others

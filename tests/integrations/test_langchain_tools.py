@@ -12,8 +12,8 @@ from pydantic import BaseModel
 from typing_extensions import TypedDict
 
 from kamera_langchain import ChatKamera
-from kamera_langchain._tools import closed
 from kamera_sdk import Engine, InvalidInputError
+from kamera_sdk import closed_schema as closed
 from tests.conftest import tiny_chat_engine
 
 
