@@ -45,13 +45,14 @@ class Phase(IntEnum):
 class Task:
     """One unit of background work: at most one forward pass (so the foreground waits behind one)."""
 
-    kind: str  # "patches", "survivors", "canonical", "prefetch"
+    kind: str  # "patches", "survivors", "leaving", "canonical", "prefetch"
     label: str  # what it is about (a chunk label, or "*")
     phase: Phase
     value: float  # critical-path tokens it is expected to save on the next step (orders work in a phase)
     tokens: int  # tokens its forward runs (0: no forward), counted against the budget
     run: Callable[[], None]
     seq: int = 0
+    chunk: str | None = None  # the chunk it is about, when one (a leaving slot's patch is found by it)
 
     @property
     def required(self) -> bool:

@@ -384,7 +384,7 @@ class ContextWindow:
         """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled."""
         idx = self._index(chunk_id)
         t0 = time.perf_counter()
-        self._flush([self._state.slots[idx]])
+        self._leave([self._state.slots[idx]])
         self._state.slots.pop(idx)
         self._unpin(chunk_id)
         self._state.graph.drop_conditioning(chunk_id)
@@ -405,6 +405,7 @@ class ContextWindow:
         if pos is None or not 0 <= pos <= len(self._state.slots):
             raise InvalidInputError(f"recall position must be an int in [0, {len(self._state.slots)}], got {at!r}")
         t0 = time.perf_counter()
+        self._form_leaving(chunk_id)  # its patch from when it left, if idle time has not formed it yet
         self._state.evicted.remove(chunk_id)
         self._state.slots.insert(pos, Slot(chunk_id, recalled=True))
         self._pin(chunk_id)
@@ -426,7 +427,7 @@ class ContextWindow:
             return []
         t0 = time.perf_counter()
         gone = [s.chunk_id for s in self._state.slots[:n]]
-        self._flush(self._state.slots[:n])
+        self._leave(self._state.slots[:n])
         del self._state.slots[:n]
         for cid in gone:
             self._unpin(cid)
@@ -469,6 +470,7 @@ class ContextWindow:
     def fork(self) -> ContextWindow:
         """Copy-on-write branch: canonicals, patches and current slot KV are shared, not copied; each
         branch edits only its own slot list from here on."""
+        self._form_leaving()  # the branch starts with an empty queue: what left the window is formed first
         child = copy.copy(self)  # the shared parts: engine, config, compressor, store, content table
         child._open_branch(self.policy.fork(), self._state.fork(), forked=True)
         self._stats.time("fork", 0.0)
@@ -680,7 +682,7 @@ class ContextWindow:
     def flush(self) -> int:
         """Form every pending patch now (normally formed when a chunk leaves the window or is needed, or
         at the next window operation once its slot was served another way). Returns how many were formed."""
-        formed = self._executor.form_orphans() + self._flush(self._state.slots)
+        formed = self._executor.form_orphans() + self._flush(self._state.slots) + self._form_leaving()
         while self._idle_step():  # and the queued background work (within its budget)
             pass
         return formed
@@ -837,6 +839,30 @@ class ContextWindow:
             self._log_plan(head)
         self._queue_patches()
         self._queue_survivors()
+
+    def _leave(self, slots: list[Slot]) -> None:
+        """Slots leaving the window (slide, evict): the patches pending on them are formed now, or, with
+        background work on, in idle time: no plan can use an evicted chunk's patch before it is recalled,
+        and a recall (or a fork, or ``flush``) forms it first, so results do not depend on the timing."""
+        if self.config.background == "off":
+            self._flush(slots)
+            return
+        for slot in slots:
+            pending = slot.pending
+            if pending is None or slot.kv is None or pending.stored is not None:
+                continue
+            chunk = self._table.get(slot.chunk_id)
+            run = functools.partial(self._executor.form_pending, chunk, slot.kv, pending)
+            tokens = len(chunk) if chunk.canonical is None else 0  # its canonical may still be deferred
+            task = Task("leaving", chunk.label(), Phase.LATENCY, float(len(chunk)), tokens, run, chunk=chunk.id)
+            self._push(task, replace=False)
+
+    def _form_leaving(self, chunk_id: ChunkId | None = None) -> int:
+        """Form, now, the queued patches of slots that left the window (of ``chunk_id``, or all)."""
+        tasks = [t for t in self._queue.tasks if t.kind == "leaving" and chunk_id in (None, t.chunk)]
+        for task in tasks:
+            self._run_task(task, idle=False)
+        return len(tasks)
 
     def _flush(self, slots: list[Slot]) -> int:
         return self._executor.form_slot_patches(self._state.slots, slots)
