@@ -110,7 +110,7 @@ class ServerState:
         self._owns_store = self.store is not None and self.store is not store
         # every session's answers decode together in the scheduler's batches (engines with a forward of
         # their own kind, e.g. vision, decode one answer at a time on the worker)
-        batchable = batch and isinstance(engine, Engine) and type(engine)._run is Engine._run
+        batchable = batch and isinstance(engine, Engine) and engine.batchable
         self.scheduler = Scheduler(engine, kv_budget_bytes=kv_budget_bytes) if batchable else None
         self.worker = ModelWorker(self.scheduler)
         # a dropped session's window is closed on the worker (its pending patches stored, its pins released)
