@@ -41,9 +41,8 @@ from .policies import POLICIES, ReusePolicy, register_policy
 from .stats import WindowStats
 from .store import ChunkStore, open_store
 from .tools import ToolCall, ToolSpec, closed_schema, json_grammar, parse_tool_call, tool_grammar, tools_prompt
+from .version import __version__
 from .window import ContextWindow, DisposabilityResult
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:

@@ -248,7 +248,7 @@ def create_app(
         yield
         await state.shutdown()
 
-    from kamera_sdk import __version__
+    from ..version import __version__
 
     app = FastAPI(title="Kamera engine server", version=__version__, lifespan=lifespan)
     app.state.kamera = state
