@@ -291,5 +291,7 @@ def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any,
     assert parent.generate(PROMPT, max_new_tokens=6) == _fresh_answer(engine, [d0, d1])
     with pytest.raises(SessionNotFoundError, match=doomed.id):
         doomed.stats()
+    with pytest.raises(SessionNotFoundError, match=doomed.id):
+        doomed.close()  # its delete is refused the same way; the client is closed all the same
     for w in (parent, child):
         w.close()
