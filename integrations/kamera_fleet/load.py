@@ -150,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = sock.getsockname()[1]
     sock.close()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
-    result: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "runs": {}}
+    command = " ".join(["python -m kamera_fleet.load", *(argv or sys.argv[1:])])
+    result: dict[str, Any] = {"machine": machine(), "command": command, "runs": {}}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"

@@ -193,8 +193,8 @@ def test_fleet_affinity_failover_and_scaling(cluster: str, redis_url: str) -> No
 
     # a session no replica ever held: a clear error naming it
     gone = "ks_" + "x" * 32
-    with pytest.raises(SessionNotFoundError, match=gone):
-        RemoteWindow(cluster, session_id=gone, timeout=60).stats()
+    with RemoteWindow(cluster, session_id=gone, timeout=60) as never, pytest.raises(SessionNotFoundError, match=gone):
+        never.stats()
 
     _forged_entry_is_refused_by_the_fleet(cluster, redis_url, engine)
     _wait_replicas(2)
