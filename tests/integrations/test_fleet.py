@@ -257,7 +257,8 @@ def _forged_entry_is_refused_by_the_fleet(cluster: str, redis_url: str, engine: 
 
 def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any, journal: SessionJournal) -> None:
     """Forks and streamed answers through the fleet; a fork child rebuilt on another replica answers as
-    the same window built fresh; a session whose journal is lost gets an error naming it."""
+    the same window built fresh; a journal lost while its window lives is written again whole; a session
+    whose journal is lost and whose replica died gets an error naming it."""
     d0, d1, d2 = DOCS[30], DOCS[31], DOCS[32]
     parent = RemoteWindow(cluster, timeout=300)
     parent.add_text(d0)
@@ -282,13 +283,21 @@ def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any,
                         pieces.append(choice["delta"].get("content") or "")
     assert "".join(pieces) == whole["choices"][0]["message"]["content"]
 
-    # the doomed fork's journal is lost, then the replica holding all three dies
+    # the parent's journal is lost while its replica holds it: its next change journals the whole window again
     owner = journal.client.hget(f"kamera:fleet:s:{parent.id}", "owner").decode()
     assert journal.client.hget(f"kamera:fleet:s:{child.id}", "owner").decode() == owner
+    journal.delete(parent.id)
+    d3 = DOCS[33]
+    parent.add_text(d3)
+    rec = journal.read(parent.id)
+    assert rec is not None and len(rec.order) == 3 and set(rec.chunks) == set(rec.order)
+
+    # the doomed fork's journal is lost, then the replica holding all three dies
     journal.delete(doomed.id)
     ray.kill(next(a for name, a in _replica_actors().items() if name.endswith(owner)), no_restart=True)
     assert "".join(child.generate(PROMPT, max_new_tokens=6, stream=True)) == _fresh_answer(engine, [d0, d1, d2])
-    assert parent.generate(PROMPT, max_new_tokens=6) == _fresh_answer(engine, [d0, d1])
+    assert parent.generate(PROMPT, max_new_tokens=6) == _fresh_answer(engine, [d0, d1, d3])
+    assert {r["session"] for r in journal.rebuilds()} >= {parent.id, child.id}  # both rebuilt elsewhere
     with pytest.raises(SessionNotFoundError, match=doomed.id):
         doomed.stats()
     with pytest.raises(SessionNotFoundError, match=doomed.id):
