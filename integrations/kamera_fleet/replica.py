@@ -148,6 +148,15 @@ class KameraReplica:
             for piece in await self._create(session, req):
                 yield piece
             return
+        if req["method"] == "DELETE" and self._local(session) is None:  # nothing to rebuild: drop the journal
+            if self.journal.version(session) is None:
+                message = f"session {session} is on no live replica and the fleet journal holds no record of it"
+                for piece in _json_response(404, {"error": {"type": "SessionNotFoundError", "message": message}}):
+                    yield piece
+            else:
+                self.journal.delete(session)
+                yield {"status": 204, "headers": []}
+            return
         try:
             record = await self._ensure(session)
         except (JournalLostError, KameraError) as exc:
@@ -244,12 +253,19 @@ class KameraReplica:
     def _build(self, record: WindowRecord) -> tuple[ContextWindow, int]:
         """The journaled window, built fresh here (model thread): evicted chunks first (added, evicted), then
         the active ones in order. Canonicals come from the store; returns the tokens computed to build it."""
+        missing = [c for c in record.evicted + record.order if c not in record.chunks]
+        if missing:
+            raise JournalLostError(f"session {record.session} cannot be rebuilt: its journal lacks chunk {missing[0]}")
         window = self.state.new_window(SessionCreate.model_validate(record.options))
-        for cid in record.evicted:
-            _spec_add(window, cid, record.chunks[cid])
-            window.evict(cid)
-        for cid in record.order:
-            _spec_add(window, cid, record.chunks[cid])
+        try:
+            for cid in record.evicted:
+                _spec_add(window, cid, record.chunks[cid])
+                window.evict(cid)
+            for cid in record.order:
+                _spec_add(window, cid, record.chunks[cid])
+        except JournalLostError as exc:
+            window.close()
+            raise JournalLostError(f"session {record.session} cannot be rebuilt: {exc}") from exc
         return window, window.stats().ingest_tokens
 
     async def _journal_after(self, session: str, req: dict[str, Any], status: int, body: bytes) -> None:

@@ -292,8 +292,11 @@ def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any,
     rec = journal.read(parent.id)
     assert rec is not None and len(rec.order) == 3 and set(rec.chunks) == set(rec.order)
 
-    # the doomed fork's journal is lost, then the replica holding all three dies
+    # the doomed fork's journal is lost, a broken fork's journal lacks a chunk, then their replica dies
     journal.delete(doomed.id)
+    broken = parent.fork()
+    cut = journal.read(broken.id).order[1]
+    journal.client.hdel(f"kamera:fleet:s:{broken.id}:c", cut)
     ray.kill(next(a for name, a in _replica_actors().items() if name.endswith(owner)), no_restart=True)
     assert "".join(child.generate(PROMPT, max_new_tokens=6, stream=True)) == _fresh_answer(engine, [d0, d1, d2])
     assert parent.generate(PROMPT, max_new_tokens=6) == _fresh_answer(engine, [d0, d1, d3])
@@ -302,5 +305,9 @@ def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any,
         doomed.stats()
     with pytest.raises(SessionNotFoundError, match=doomed.id):
         doomed.close()  # its delete is refused the same way; the client is closed all the same
+    with pytest.raises(SessionNotFoundError, match=f"{broken.id} cannot be rebuilt: its journal lacks chunk {cut}"):
+        broken.generate(PROMPT, max_new_tokens=2)
+    broken.delete()  # the journal is still there: the delete succeeds
+    broken.close()
     for w in (parent, child):
         w.close()
