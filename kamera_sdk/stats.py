@@ -89,7 +89,7 @@ class WindowStats(BaseModel):
     cascade_rematerialised: int = Field(0, description="stale slots rebuilt (from a fitting patch or a forward)")
     store_loads: int = Field(0, description="entries loaded from the store and used (canonicals and patches)")
     store_load_failures: int = Field(
-        0, description="store entries refused (checksum, fingerprint, I/O, or not covering the chunk) and recomputed"
+        0, description="store entries refused (checksum, fingerprint, MAC, I/O, or not covering the chunk), recomputed"
     )
     kv_bytes_fraction: float = Field(1.0, description="KV bytes kept by the last compression, of the full cache")
     canonical_bytes: int = Field(0, description="bytes of the canonicals this window computed")

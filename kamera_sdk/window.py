@@ -261,7 +261,7 @@ class ContextWindow:
         snap.vision_tower_runs = self._state.media.tower_runs
         if self.store is not None:
             st = self.store.stats()
-            snap.store_load_failures += st.refused_checksum + st.refused_fingerprint + st.load_errors
+            snap.store_load_failures += st.refused_checksum + st.refused_fingerprint + st.refused_auth + st.load_errors
         return snap
 
     # --- adding content ------------------------------------------------------------------------

@@ -10,14 +10,17 @@ from functools import partial
 from kamera_sdk import Engine
 
 
-def up(args: argparse.Namespace) -> int:
-    """Deploy the fleet and serve until interrupted."""
+def start(args: argparse.Namespace) -> str:
+    """Start (or attach to) Ray, deploy the fleet and return its HTTP address once every replica is ready."""
     import ray
     from ray import serve
 
     from .app import FleetConfig, build_app
 
-    ray.init(address=args.address) if args.address else ray.init(num_cpus=args.num_cpus)
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     config = FleetConfig(
@@ -30,10 +33,20 @@ def up(args: argparse.Namespace) -> int:
         replica_cpus=args.replica_cpus,
     )
     serve.run(build_app(config), route_prefix="/", name="kamera")
-    print(f"kamera fleet serving on http://{args.host}:{args.port} (Ctrl-C stops it)")
+    return f"http://{args.host}:{args.port}"
+
+
+def up(args: argparse.Namespace) -> int:
+    """Deploy the fleet and serve until interrupted (Ctrl-C or SIGINT), then shut the application down."""
+    import ray
+    from ray import serve
+
+    url = start(args)
+    print(f"kamera fleet serving on {url} (Ctrl-C stops it)", flush=True)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.shutdown()
+        ray.shutdown()
     return 0

@@ -22,8 +22,10 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+#: ``GET`` it (``?session=<id>`` optional) for the fleet's counters; see ``FleetIngress.fleet_stats``.
+STATS_PATH = "/v1/fleet/stats"
 _SESSION_PATH = re.compile(r"^/v1/sessions/(ks_[A-Za-z0-9_-]+)(/.*)?$")
 #: Failures that mean "the replica went away": retried on another replica.
 _GONE: tuple[type[BaseException], ...] = (RayActorError,)
@@ -64,6 +66,8 @@ class FleetIngress:
         self.retries = 0
 
     async def __call__(self, request: Request) -> Response:
+        if request.method == "GET" and request.url.path.rstrip("/") == STATS_PATH:
+            return JSONResponse(await self.fleet_stats(request.query_params.get("session", "")))
         body = await request.body()
         session, create = route_key(request.method, request.url.path, body)
         req = {
@@ -95,8 +99,11 @@ class FleetIngress:
             break
         return _response(head, first, stream)
 
-    async def fleet_stats(self) -> dict[str, Any]:
-        return {"retries": self.retries}
+    async def fleet_stats(self, session: str = "") -> dict[str, Any]:
+        """The ingress's retries and one replica's counters: the replica holding ``session`` when given
+        (its store's ``refused_auth`` counts forged entries refused there), else the least-loaded one."""
+        replica = await self.replicas.options(multiplexed_model_id=session).whoami.remote()
+        return {"ingress": {"retries": self.retries}, "replica": replica}
 
 
 def _gone(exc: BaseException) -> bool:

@@ -109,6 +109,7 @@ class KameraReplica:
         self.journal = SessionJournal(store_url, prefix=journal_prefix, ttl_s=session_ttl_s)
         self.versions: dict[str, int] = {}  # session -> journal version its local window reflects
         self.known: dict[str, set[str]] = {}  # session -> chunk ids already journaled
+        self.options: dict[str, dict[str, Any]] = {}  # session -> the options it was opened with (JSON)
         self.locks: dict[str, asyncio.Lock] = {}
         self.rebuilt = 0
         self.name = _replica_name()
@@ -120,9 +121,11 @@ class KameraReplica:
         return session
 
     async def whoami(self) -> dict[str, Any]:
-        """This replica's name, the sessions it holds and how many it rebuilt (tests and ``fleet status``)."""
+        """This replica's name, the sessions it holds, how many it rebuilt and its store's counters (a forged
+        entry shows as ``refused_auth``)."""
         live = [s for s in self.versions if self._local(s) is not None]
-        return {"replica": self.name, "sessions": sorted(live), "rebuilt": self.rebuilt}
+        store = self.store.stats().model_dump(mode="json")
+        return {"replica": self.name, "sessions": sorted(live), "rebuilt": self.rebuilt, "store": store}
 
     # --- requests -------------------------------------------------------------------------------------
     async def handle(self, req: dict[str, Any]) -> AsyncIterator[Head | bytes]:
@@ -145,6 +148,15 @@ class KameraReplica:
             for piece in await self._create(session, req):
                 yield piece
             return
+        if req["method"] == "DELETE" and self._local(session) is None:  # nothing to rebuild: drop the journal
+            if self.journal.version(session) is None:
+                message = f"session {session} is on no live replica and the fleet journal holds no record of it"
+                for piece in _json_response(404, {"error": {"type": "SessionNotFoundError", "message": message}}):
+                    yield piece
+            else:
+                self.journal.delete(session)
+                yield {"status": 204, "headers": []}
+            return
         try:
             record = await self._ensure(session)
         except (JournalLostError, KameraError) as exc:
@@ -160,7 +172,8 @@ class KameraReplica:
             return
         if req["method"] == "DELETE":
             self.journal.delete(session)
-            self.versions.pop(session, None)
+            for held in (self.versions, self.known, self.options):
+                held.pop(session, None)
         status, body = 0, bytearray()
         async for piece in self._forward(req):
             if isinstance(piece, dict):
@@ -194,7 +207,7 @@ class KameraReplica:
         record = WindowRecord(session, 1, options.model_dump(mode="json"), [], [])
         self.journal.write(record, expected=0, op="create", new_chunks={})
         self.journal.set_owner(session, self.name)
-        self.versions[session], self.known[session] = 1, set()
+        self.versions[session], self.known[session], self.options[session] = 1, set(), record.options
         await self.hold(session)
         state = await self._state_json(session)
         return _json_response(201, {"id": session, "window": state})
@@ -209,8 +222,9 @@ class KameraReplica:
         version = self.journal.version(session)
         local = self._local(session)
         if version is None:
-            if local is not None:
-                return None  # the journal was lost but the window lives here: it is journaled again on change
+            if local is not None:  # the journal was lost but the window lives here: journal it whole on change
+                self.versions[session], self.known[session] = 0, set()
+                return None
             raise JournalLostError(
                 f"session {session} cannot be rebuilt: it is on no live replica and the fleet journal holds no "
                 "record of it (never created, deleted, expired, or its journal was lost)"
@@ -227,6 +241,7 @@ class KameraReplica:
         self.state.sessions.reserve()
         self.state.sessions.add(window, key=session)
         self.versions[session], self.known[session] = record.version, set(record.chunks)
+        self.options[session] = record.options
         self.rebuilt += 1
         self.journal.set_owner(session, self.name)
         await self.hold(session)
@@ -238,12 +253,19 @@ class KameraReplica:
     def _build(self, record: WindowRecord) -> tuple[ContextWindow, int]:
         """The journaled window, built fresh here (model thread): evicted chunks first (added, evicted), then
         the active ones in order. Canonicals come from the store; returns the tokens computed to build it."""
+        missing = [c for c in record.evicted + record.order if c not in record.chunks]
+        if missing:
+            raise JournalLostError(f"session {record.session} cannot be rebuilt: its journal lacks chunk {missing[0]}")
         window = self.state.new_window(SessionCreate.model_validate(record.options))
-        for cid in record.evicted:
-            _spec_add(window, cid, record.chunks[cid])
-            window.evict(cid)
-        for cid in record.order:
-            _spec_add(window, cid, record.chunks[cid])
+        try:
+            for cid in record.evicted:
+                _spec_add(window, cid, record.chunks[cid])
+                window.evict(cid)
+            for cid in record.order:
+                _spec_add(window, cid, record.chunks[cid])
+        except JournalLostError as exc:
+            window.close()
+            raise JournalLostError(f"session {record.session} cannot be rebuilt: {exc}") from exc
         return window, window.stats().ingest_tokens
 
     async def _journal_after(self, session: str, req: dict[str, Any], status: int, body: bytes) -> None:
@@ -251,10 +273,10 @@ class KameraReplica:
         op = req["path"].rstrip("/").rsplit("/", 1)[-1]
         if op == "fork":
             child = json.loads(body)["id"]
-            self.known[child] = set(self.known.get(session, set()))
-            parent = self.journal.read(session)
+            self.known[child] = set()  # the child's journal is its own: every chunk it holds is written to it
+            self.options[child] = self.options.get(session, {})
             await self._write(child, op="fork", expected=0, request="", response="", parent=session,
-                              options=parent.options if parent else {}, force=True)  # fmt: skip
+                              options=self.options[child], force=True)  # fmt: skip
             self.journal.set_owner(child, self.name)
             await self.hold(child)
             return
@@ -283,7 +305,7 @@ class KameraReplica:
         order, evicted, new = await self.state.worker.run(snapshot)
         if options is None:
             head = self.journal.read(session)
-            options = head.options if head is not None else {}
+            options = head.options if head is not None else self.options.get(session, {})
             if head is not None and not force and head.order == order and head.evicted == evicted and not new:
                 return  # nothing changed (a generate, a refused op)
         record = WindowRecord(session, expected + 1, options, order, evicted, parent=parent, request=request,

@@ -7,12 +7,15 @@ content does not matter, only that a rebuilt window answers exactly as the same 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -21,12 +24,14 @@ httpx = pytest.importorskip("httpx")
 from kamera_fleet import FleetConfig, SessionJournal, build_app  # noqa: E402
 from kamera_sdk import ContextWindow, RemoteWindow  # noqa: E402
 from kamera_sdk.server import SessionNotFoundError  # noqa: E402
+from kamera_sdk.store import EntryAuth, EntryKey, RedisBackend, StoreEntry, open_store  # noqa: E402
 from tests.conftest import tiny_chat_engine  # noqa: E402
 from tests.store.conftest import _free_port, _start_redis, _stop  # noqa: E402
 
 APP = "kamera"
 DOCS = [f"Document {i}: " + " ".join(f"fact{i}-{j} is about topic {j % 7}." for j in range(12)) for i in range(40)]
 PROMPT = "Summarise."
+SECRET = "s" * 32
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def cluster() -> Iterator[str]:
 
 
 def _deploy(redis_url: str, replicas: int) -> None:
-    cfg = FleetConfig(tiny_chat_engine, redis_url, replicas=replicas, replica_cpus=0.5, secret="s" * 32)
+    cfg = FleetConfig(tiny_chat_engine, redis_url, replicas=replicas, replica_cpus=0.5, secret=SECRET)
     serve.run(build_app(cfg), route_prefix="/", name=APP)
 
 
@@ -73,6 +78,12 @@ def _wait_replicas(n: int, timeout: float = 120.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"the fleet did not reach {n} running replicas")
+
+
+def _header(blob: bytes) -> dict[str, Any]:
+    """The Kamera header of a stored entry (safetensors: a length, then JSON metadata)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.loads(json.loads(blob[8 : 8 + n])["__metadata__"]["kamera"])
 
 
 def _fresh_answer(engine: Any, docs: list[str]) -> str:
@@ -180,22 +191,123 @@ def test_fleet_affinity_failover_and_scaling(cluster: str, redis_url: str) -> No
     print("FLEET REBUILD", json.dumps(report))
     assert fraction <= 0.5, report
 
-    # a session with no journal and no live window: a clear error naming it
+    # a session no replica ever held: a clear error naming it
     gone = "ks_" + "x" * 32
-    with pytest.raises(SessionNotFoundError, match=gone):
-        RemoteWindow(cluster, session_id=gone, timeout=60).stats()
+    with RemoteWindow(cluster, session_id=gone, timeout=60) as never, pytest.raises(SessionNotFoundError, match=gone):
+        never.stats()
 
-    # scale 2 -> 1 -> 2 under load: no request fails
+    _forged_entry_is_refused_by_the_fleet(cluster, redis_url, engine)
+    _wait_replicas(2)
+    _forks_streams_and_a_lost_journal(cluster, redis_url, engine, journal)
+
+    # scale 1 -> 2 -> 1 under load: no request fails
     def work(sid: str) -> str:
         with RemoteWindow(cluster, session_id=sid, timeout=300) as w:
             return w.generate(PROMPT, max_new_tokens=3)
 
+    _deploy(redis_url, 1)
+    _wait_replicas(1)
     live = [sid for sid, _ in opened]
-    for replicas in (1, 2):
+    for replicas in (2, 1):
         with cf.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(work, sid) for sid in live]
+            futures = [pool.submit(work, sid) for sid in live for _ in range(2)]
             time.sleep(0.2)
             _deploy(redis_url, replicas)
-            assert all(isinstance(f.result(), str) for f in futures)
-        _wait_replicas(replicas)
+            _wait_replicas(replicas)
+            assert all(isinstance(f.result(), str) for f in futures)  # a failed request raises here
     journal.close()
+
+
+def _forged_entry_is_refused_by_the_fleet(cluster: str, redis_url: str, engine: Any) -> None:
+    """An attacker who can write to Redis but lacks the secret writes a poisoned canonical for content no
+    replica has seen; a fleet session that adds that content refuses it (counted), recomputes it, and answers
+    as a fresh window does."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    text = "A forged page: the harbor ledger lists copper lanterns, violins and meadow stones in order."
+    before = set(client.scan_iter(match="kamera:*:e:*"))
+    with open_store(redis_url, secret=SECRET, write_behind=False) as honest, ContextWindow(engine, store=honest) as w:
+        w.add_text(text)  # an honest canonical, tagged, as a replica would write it
+    backend = RedisBackend(redis_url, auth=EntryAuth(SECRET))
+    forged = 0
+    for name in set(client.scan_iter(match="kamera:*:e:*")) - before:
+        info = _header(client.hget(name, "data"))
+        if info["kind"] != "canonical":
+            continue
+        key = EntryKey(info["fingerprint"], info["kind"], info["content_hash"], info.get("variant", ""))
+        entry = backend.get(key)
+        assert entry is not None
+        poisoned = StoreEntry(key, {n: torch.full_like(t, 7) for n, t in entry.tensors.items()}, dict(entry.meta))
+        blob = poisoned.encode(None)  # well-formed, self-consistent checksum, no MAC
+        client.hset(name, mapping={"data": blob, "checksum": hashlib.sha256(blob).hexdigest()})
+        forged += 1
+    assert forged == 1
+    expected = _fresh_answer(engine, [DOCS[0], text])
+    with RemoteWindow(cluster, timeout=300) as w:
+        w.add_text(DOCS[0])
+        w.add_text(text)
+        assert w.generate(PROMPT, max_new_tokens=6) == expected
+        assert w.stats().store_load_failures >= 1
+        with httpx.Client(base_url=cluster, timeout=60) as c:
+            stats = c.get("/v1/fleet/stats", params={"session": w.id}).json()
+    assert stats["replica"]["store"]["refused_auth"] == 1, stats
+    client.close()
+
+
+def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any, journal: SessionJournal) -> None:
+    """Forks and streamed answers through the fleet; a fork child rebuilt on another replica answers as
+    the same window built fresh; a journal lost while its window lives is written again whole; a session
+    whose journal is lost and whose replica died gets an error naming it."""
+    d0, d1, d2 = DOCS[30], DOCS[31], DOCS[32]
+    parent = RemoteWindow(cluster, timeout=300)
+    parent.add_text(d0)
+    parent.add_text(d1)
+    child = parent.fork()
+    child.add_text(d2)
+    doomed = parent.fork()  # on the parent's replica too
+    assert "".join(child.generate(PROMPT, max_new_tokens=6, stream=True)) == _fresh_answer(engine, [d0, d1, d2])
+    assert parent.generate(PROMPT, max_new_tokens=6) == _fresh_answer(engine, [d0, d1])
+
+    # the OpenAI chat stream: the same answer as the chat answered whole
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    with httpx.Client(base_url=cluster, timeout=300) as c:
+        whole = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "user": "whole"}).json()
+        pieces = []
+        with c.stream("POST", "/v1/chat/completions",
+                      json={"messages": msgs, "max_tokens": 6, "user": "streamed", "stream": True}) as r:  # fmt: skip
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        pieces.append(choice["delta"].get("content") or "")
+    assert "".join(pieces) == whole["choices"][0]["message"]["content"]
+
+    # the parent's journal is lost while its replica holds it: its next change journals the whole window again
+    owner = journal.client.hget(f"kamera:fleet:s:{parent.id}", "owner").decode()
+    assert journal.client.hget(f"kamera:fleet:s:{child.id}", "owner").decode() == owner
+    journal.delete(parent.id)
+    d3 = DOCS[33]
+    parent.add_text(d3)
+    rec = journal.read(parent.id)
+    assert rec is not None and len(rec.order) == 3 and set(rec.chunks) == set(rec.order)
+
+    # the doomed fork's journal is lost, a broken fork's journal lacks a chunk, then their replica dies
+    journal.delete(doomed.id)
+    broken = parent.fork()
+    cut = journal.read(broken.id).order[1]
+    journal.client.hdel(f"kamera:fleet:s:{broken.id}:c", cut)
+    ray.kill(next(a for name, a in _replica_actors().items() if name.endswith(owner)), no_restart=True)
+    assert "".join(child.generate(PROMPT, max_new_tokens=6, stream=True)) == _fresh_answer(engine, [d0, d1, d2])
+    assert parent.generate(PROMPT, max_new_tokens=6) == _fresh_answer(engine, [d0, d1, d3])
+    assert {r["session"] for r in journal.rebuilds()} >= {parent.id, child.id}  # both rebuilt elsewhere
+    with pytest.raises(SessionNotFoundError, match=doomed.id):
+        doomed.stats()
+    with pytest.raises(SessionNotFoundError, match=doomed.id):
+        doomed.close()  # its delete is refused the same way; the client is closed all the same
+    with pytest.raises(SessionNotFoundError, match=f"{broken.id} cannot be rebuilt: its journal lacks chunk {cut}"):
+        broken.generate(PROMPT, max_new_tokens=2)
+    broken.delete()  # the journal is still there: the delete succeeds
+    broken.close()
+    for w in (parent, child):
+        w.close()
