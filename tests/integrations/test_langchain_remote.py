@@ -33,8 +33,21 @@ def server(tiny: Engine) -> Iterator[LiveServer]:
         yield live
 
 
+_OPEN: list[ChatKamera] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_models() -> Iterator[None]:
+    """Every remote model a test made closes its server sessions' clients afterwards (no socket left open)."""
+    yield
+    while _OPEN:
+        _OPEN.pop().reset()
+
+
 def remote(server: LiveServer, **kw: object) -> ChatKamera:
-    return ChatKamera(base_url=server.url, api_key=server.api_key, **{"max_tokens": 4, **kw})
+    llm = ChatKamera(base_url=server.url, api_key=server.api_key, **{"max_tokens": 4, **kw})
+    _OPEN.append(llm)
+    return llm
 
 
 def _server_answer(server: LiveServer, messages: list[dict[str, str]]) -> str:
@@ -86,7 +99,8 @@ def test_sessions_are_server_sessions_and_reset_deletes_them(server: LiveServer)
     llm.reset("a")
     assert llm.sessions == ["b"]
     with pytest.raises(KameraError, match="unknown session"):  # the server deleted it
-        RemoteWindow(server.url, api_key=server.api_key, session_id=a.id).state()
+        with RemoteWindow(server.url, api_key=server.api_key, session_id=a.id) as gone:
+            gone.state()
     llm.reset()
     assert llm.sessions == []
 
