@@ -22,13 +22,13 @@ import weakref
 from dataclasses import dataclass
 
 from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
-from kamera_engine.decode import TextStream, stop_strings
+from kamera_engine.decode import TextStream
 
 from ..chat_format import OpenTurnFormat
 from ..tools import ToolCall, ToolSpec, closed_schema, json_grammar, parse_tool_call, tool_grammar, tools_prompt
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
-from .ops import Limits, add_image, check_tokens, decode_image, first_piece
+from .ops import Limits, add_image, check_tokens, decode_image, first_piece, sampling_params
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
@@ -146,19 +146,8 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     max_tokens = _asked_max_tokens(req)
     if max_tokens is None:
         max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_new_tokens)
-    if max_tokens > limits.max_new_tokens:
-        raise InvalidInputError(f"max_tokens={max_tokens} is over this server's limit of {limits.max_new_tokens}")
-    params = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=0.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        stop=stop_strings(req.stop),
-        seed=req.seed,
-        grammar=answer_grammar(req),
-    )
-    params.validate()  # before the window is touched: a refused request changes nothing
-    return params
-
+    grammar = answer_grammar(req)
+    return sampling_params(limits, max_tokens, req.temperature, req.top_p, req.stop, req.seed, grammar)
 
 def request_tools(req: ChatCompletionRequest) -> list[ToolSpec]:
     """The tools the model may call in this answer (none when ``tool_choice`` is ``"none"``)."""

@@ -25,11 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from kamera_engine import KV, Engine, InvalidInputError, SamplingParams, TextStream
-from kamera_engine.decode import stop_strings
 
 from ..window import ContextWindow
 from .errors import exception_body
-from .ops import Limits
+from .ops import Limits, sampling_params
 from .schemas import (
     Completion,
     CompletionChoice,
@@ -63,18 +62,9 @@ def prompt_token_ids(engine: Engine, prompt: str | Sequence[Any]) -> list[int]:
 def sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
     """The request's decoding settings, checked before anything runs."""
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    if max_tokens > limits.max_new_tokens:
-        raise InvalidInputError(f"max_tokens={max_tokens} is over this server's limit of {limits.max_new_tokens}")
+    params = sampling_params(limits, max_tokens, req.temperature, req.top_p, req.stop, req.seed)
     if req.stream and req.logprobs is not None:
         raise InvalidInputError("logprobs are not streamed: ask with stream=false")
-    params = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=0.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        stop=stop_strings(req.stop),
-        seed=req.seed,
-    )
-    params.validate()
     return params
 
 

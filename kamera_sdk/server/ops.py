@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kamera_engine import InvalidInputError, TextStream, UnsupportedModelError
+from kamera_engine import Grammar, InvalidInputError, SamplingParams, TextStream, UnsupportedModelError
+from kamera_engine.decode import stop_strings
 
 from ..chunks import content_id
 from ..window import ContextWindow
@@ -115,3 +116,28 @@ def start_generate(win: ContextWindow, req: GenerateRequest) -> tuple[TextStream
         seed=req.seed,
     )
     return pieces, first_piece(pieces)
+
+
+def sampling_params(
+    limits: Limits,
+    max_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    stop: str | list[str] | None,
+    seed: int | None,
+    grammar: Grammar | None = None,
+) -> SamplingParams:
+    """An OpenAI request's decoding settings (temperature 0, greedy, when it names none), checked against
+    the server's answer limit before anything runs: a refused request changes nothing."""
+    if max_tokens > limits.max_new_tokens:
+        raise InvalidInputError(f"max_tokens={max_tokens} is over this server's limit of {limits.max_new_tokens}")
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=0.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        stop=stop_strings(stop),
+        seed=seed,
+        grammar=grammar,
+    )
+    params.validate()
+    return params
