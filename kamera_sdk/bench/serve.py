@@ -30,6 +30,8 @@ import httpx
 
 from kamera_engine import Engine
 
+from ..server.loadgen import run_together
+
 _WORDS = "river stone lamp orchard violin harbor ledger copper meadow lantern".split()
 
 
@@ -133,13 +135,7 @@ def _load(url: str, sessions: int, rounds: int, max_new_tokens: int) -> dict[str
         finally:
             client.close()
 
-    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    t0 = run_together(agent, sessions, barrier)
     elapsed = max(ends, default=time.perf_counter()) - t0
     return {
         "tokens_per_s": sum(tokens) / elapsed if elapsed > 0 else 0.0,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -47,6 +47,19 @@ class LoadReport(BaseModel):
     latency_p50_s: float
     latency_p95_s: float
     latency_max_s: float
+
+
+def run_together(target: Callable[[int], None], n: int, barrier: threading.Barrier) -> float:
+    """Run ``target(i)`` on ``n`` threads that meet at ``barrier`` (``n + 1`` parties, this one included)
+    once set up; returns when all have finished, with the time the barrier released them."""
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return t0
 
 
 def _p95(values: list[float]) -> float:
@@ -126,13 +139,7 @@ def run_load(
         finally:
             win.close()
 
-    threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    t0 = run_together(session, sessions, barrier)
     elapsed = max(finished, default=t0) - t0  # from the common start to the last generate's answer
     lat = sorted(latencies)
     return LoadReport(
