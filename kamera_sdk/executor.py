@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -320,23 +320,31 @@ class Executor:
             slots[i] = replace(slot, pending=None)
         return formed
 
-    def form_orphans(self, *, raise_errors: bool = True) -> int:
-        """Form the patches set aside when their slot was served another way (``orphans``). One that fails
-        stays queued (with those behind it); with ``raise_errors=False`` (after a window operation, which
-        has itself succeeded) the failure is logged, not raised. Returns how many were formed."""
-        formed = 0
+    def form_orphans(
+        self, *, raise_errors: bool = True, wait: Callable[[Chunk, PendingPatch], bool] | None = None
+    ) -> int:
+        """Form the patches set aside when their slot was served another way (``orphans``), those ``wait``
+        says can wait left queued. One that fails stays queued (with those behind it); with
+        ``raise_errors=False`` (after a window operation, which has itself succeeded) the failure is logged,
+        not raised. Returns how many were formed."""
+        formed, kept = 0, []
         while self.orphans:
             chunk, kv, pending = self.orphans[0]
+            if wait is not None and wait(chunk, pending):
+                kept.append(self.orphans.pop(0))
+                continue
             new = pending.stored is None
             try:
                 self.form_pending(chunk, kv, pending)
             except Exception as exc:
+                self.orphans[:0] = kept
                 if raise_errors:
                     raise
                 log.warning("window: forming a set-aside patch of %s failed (kept for later): %s", chunk.id[:8], exc)
                 return formed
             self.orphans.pop(0)
             formed += new
+        self.orphans[:0] = kept
         return formed
 
     # --- orbit patches ------------------------------------------------------------------------------

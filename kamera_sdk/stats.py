@@ -107,6 +107,11 @@ class WindowStats(BaseModel):
         default_factory=dict,
         description="background tasks a foreground call finished itself because idle time had not reached them",
     )
+    cost_plans: dict[str, int] = Field(
+        default_factory=dict,
+        description="uses whose plan was priced (background work on): the candidate run, by name (policy: the "
+        "policy's plan; merged: one forward from its first prefilled slot on; fused: one re-prefill of the window)",
+    )
     timings: dict[str, OpTiming] = Field(default_factory=dict, description="calls and wall time of each operation")
     decisions: list[Decision] = Field(default_factory=list, description="most recent planning decisions")
 
@@ -183,6 +188,12 @@ class WindowStats(BaseModel):
     def prefix_hits(self) -> int:
         """Slots served from the prefix cache (``Source.PREFIX``)."""
         return self.served.get(Source.PREFIX, 0)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def fused_refills(self) -> int:
+        """Uses that fell back to one fused re-prefill of the whole window (cheaper than the policy's plan)."""
+        return self.cost_plans.get("fused", 0)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -37,18 +37,21 @@ from kamera_engine.runner import Prefilled
 
 from . import vision
 from .background import BackgroundQueue, IdleWorker, Phase, Task, gate_of
-from .chunks import VISION_KINDS, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
+from .chunks import VISION_KINDS, Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
 from .compress import CompressionPolicy, make_compressor
 from .compress.runner import Compressed, decode_compressed, prefill_compressed
 from .config import WindowConfig
+from .envelope import judge
 from .executor import Execution, Executor
 from .graph import DependencyGraph
 from .metering import EngineMeter
 from .persistence import Persistence
 from .placement import best_order
-from .plan import Plan, Source
+from .plan import Plan, SlotPlan, Source
+from .plan_cost import FROM_CANONICAL, CostModel, choose
 from .policies import ReusePolicy, WindowView, make_policy
-from .slots import Slot
+from .policies.kamera import dropped_run
+from .slots import PendingPatch, Slot
 from .splitting import split_text
 from .stats import Decision, WindowStats, Work
 from .store import ChunkStore, default_store_path, open_store
@@ -168,6 +171,11 @@ class ContextWindow:
         self._executor = Executor(self.engine, self._table, self.config, self._meter, self._persistence)
         self._queue = BackgroundQueue(self.config.background_budget_tokens)
         self._policy_idle_at = -1  # the window step the policy's idle work last ran at
+        #: chunks whose canonical compile was deferred and that no foreground plan has served from it yet:
+        #: the cost model counts their compile (whether idle time reached it must not change a plan)
+        self._uncompiled: set[ChunkId] = set(getattr(self, "_uncompiled", ()))
+        self._leaving: set[ChunkId] = set()  # chunks that left with a patch to form (it compiles their canonical)
+        self.cost_model = getattr(self, "cost_model", CostModel())
         self._depth = 0  # foreground calls of this branch in progress (they nest: admit -> recall -> slide)
         self._worker: IdleWorker | None = None
         if self.config.background == "auto":
@@ -444,6 +452,7 @@ class ContextWindow:
         if isinstance(order, str):
             if order != "auto":
                 raise InvalidInputError(f"reorder takes a permutation of the window or 'auto', got {order!r}")
+            self._form_orphans_for_plan(everything=True)  # the search weighs every stored patch
             order = best_order(self._view(), self.policy)
         order = order_arg(order)
         current = self.chunks
@@ -471,6 +480,7 @@ class ContextWindow:
         """Copy-on-write branch: canonicals, patches and current slot KV are shared, not copied; each
         branch edits only its own slot list from here on."""
         self._form_leaving()  # the branch starts with an empty queue: what left the window is formed first
+        self._executor.form_orphans()  # and the patches set aside (the branches share the chunks' patches)
         child = copy.copy(self)  # the shared parts: engine, config, compressor, store, content table
         child._open_branch(self.policy.fork(), self._state.fork(), forked=True)
         self._stats.time("fork", 0.0)
@@ -482,7 +492,8 @@ class ContextWindow:
         """The plan the next use would execute (no forward pass is run; pending patches that the plan
         needs are formed)."""
         self._flush_stale()
-        return self.policy.plan(self._view())
+        self._form_orphans_for_plan()
+        return self._cost_plan(self.policy.plan(self._view()), 0)
 
     @foreground()
     def assemble(self) -> KV:
@@ -771,14 +782,17 @@ class ContextWindow:
     def _queue_canonical(self, chunk: Chunk) -> None:
         # value: the nearer the front a chunk sits, the sooner it may lead and need its canonical on the path
         value = len(chunk) / (1 + len(self._state.slots))
+        self._uncompiled.add(chunk.id)
         run = functools.partial(self._executor.canonical, chunk)
         self._push(Task("canonical", chunk.label(), Phase.LATENCY, value, len(chunk), run), replace=False)
 
     def _queue_patches(self) -> None:
         orphans = len(self._executor.orphans)
         if orphans and not any(t.kind == "patches" for t in self._queue.tasks):
-            run = functools.partial(self._executor.form_orphans, raise_errors=False)
-            self._push(Task("patches", "*", Phase.PATCHES, float(orphans), 0, run))
+            # latency only: a plan that could use one of them forms it first (``_form_orphans_for_plan``)
+            run = functools.partial(self._executor.form_orphans, raise_errors=False, wait=self._held)
+            tokens = sum(len(c) for c, _, p in self._executor.orphans if c.canonical is None and p.stored is None)
+            self._push(Task("patches", "*", Phase.LATENCY, float(orphans), tokens, run))
 
     def _queue_prefetch(self) -> None:
         """Evicted chunks are the ones a look-back recalls: start loading their canonicals from the store."""
@@ -793,6 +807,7 @@ class ContextWindow:
         end, value: its tokens weighted by how many members each survivor lost), or None."""
         if not self._state.slots or not self.policy.keeps_slot_kv:
             return None
+        self._form_orphans_for_plan()
         plan = self.policy.plan(self._view())
         slots = plan.slots
         for i, sp in enumerate(slots):
@@ -834,6 +849,7 @@ class ContextWindow:
                 head, self._state.slots[:end], self.policy.keeps_slot_kv, self._state.graph, self._state.step
             )
             st.window_kv_bytes, st.window_tokens = kv_bytes, tokens
+            self._compiled_by(head)
             self._state.slots[:end] = execution.slots
             self._forget_uses()
             self._log_plan(head)
@@ -856,12 +872,16 @@ class ContextWindow:
             tokens = len(chunk) if chunk.canonical is None else 0  # its canonical may still be deferred
             task = Task("leaving", chunk.label(), Phase.LATENCY, float(len(chunk)), tokens, run, chunk=chunk.id)
             self._push(task, replace=False)
+            self._leaving.add(chunk.id)
 
     def _form_leaving(self, chunk_id: ChunkId | None = None) -> int:
         """Form, now, the queued patches of slots that left the window (of ``chunk_id``, or all)."""
         tasks = [t for t in self._queue.tasks if t.kind == "leaving" and chunk_id in (None, t.chunk)]
         for task in tasks:
             self._run_task(task, idle=False)
+        done = set(self._leaving) if chunk_id is None else self._leaving & {chunk_id}
+        self._uncompiled -= done  # formed now or in idle time: either way their canonicals are compiled
+        self._leaving -= done
         return len(tasks)
 
     def _flush(self, slots: list[Slot]) -> int:
@@ -999,10 +1019,12 @@ class ContextWindow:
             return self._cache
         t0 = time.perf_counter()
         self._flush_stale()
-        plan = self.policy.plan(self._view())
+        self._form_orphans_for_plan()
+        plan = self._cost_plan(self.policy.plan(self._view()), len(prompt or []))
         execution: Execution = self._executor.run(
             plan, self._state.slots, self.policy.keeps_slot_kv, self._state.graph, self._state.step, prompt
         )
+        self._compiled_by(plan)
         self.policy.observe(self._view(), plan, execution.placed)
         self._state.slots = execution.slots
         self._cache = (plan, execution)
@@ -1014,6 +1036,83 @@ class ContextWindow:
             assert prompt is not None
             self._prompt_memo = (tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))
         return plan, execution
+
+    # --- the cost-based plan (plan_cost) ---------------------------------------------------------------
+    def _cost_plan(self, plan: Plan, prompt_len: int) -> Plan:
+        """With background work on, a policy that opts in (``ReusePolicy.cost_based``) has its plan priced
+        against the exact alternatives of ``plan_cost`` (one forward from the first prefilled slot on, one
+        fused re-prefill of the window) and the cheapest runs; the choice is logged and counted
+        (``cost_plans``). Off, the plan is the policy's, as before."""
+        if self.config.background == "off" or not self.policy.cost_based:
+            return plan
+        plan = self._lead_from_own(plan)
+        choice = choose(plan, prompt_len, self._missing, self.cost_model)
+        self._stats.count_task(self._stats.cost_plans, choice.name)
+        if choice.name != "policy":
+            reason = choice.describe(self.cost_model)
+            self._stats.log(Decision(step=self._state.step, chunk="*", source="cost", reason=reason))
+            log.debug("window: %s", reason)
+        return choice.plan
+
+    def _missing(self, chunk: Chunk) -> bool:
+        """Whether the cost model counts a compile of ``chunk``'s canonical (decided from the operations,
+        never from what idle time reached, so the choice, and the answer, do not depend on timing)."""
+        return chunk.id in self._uncompiled
+
+    def _lead_from_own(self, plan: Plan) -> Plan:
+        """A lead whose canonical is still to be compiled and whose slot holds KV conditioned on the anchor
+        alone (it was prefilled at the front by a fused plan) is served from that KV: the same exact KV,
+        no compile on the critical path."""
+        if not plan.slots or plan.slots[0].source is not Source.LEAD:
+            return plan
+        sp, slot = plan.slots[0], self._state.slots[0]
+        own = slot.materialised() and slot.antecedent == () and not self._state.graph.is_stale(slot.chunk_id)
+        if not own or not self._missing(sp.chunk):
+            return plan
+        keep = SlotPlan(sp.chunk, sp.start, sp.antecedent, Source.KEEP, reason="lead: its own KV on the anchor alone")
+        return Plan(plan.policy, [keep, *plan.slots[1:]], plan.anchor_len, plan.recompute)
+
+    def _compiled_by(self, plan: Plan) -> None:
+        """An executed plan served these chunks from their canonicals: compiled now, whatever the timing."""
+        for sp in plan.slots:
+            if sp.source in FROM_CANONICAL:
+                self._uncompiled.discard(sp.chunk.id)
+
+    def _held(self, chunk: Chunk, pending: PendingPatch) -> bool:
+        """A set-aside patch of a chunk whose canonical compile the cost model still counts (``_missing``) is
+        held back, from idle time too, until a foreground plan has compiled it (or a fork or ``flush``): its
+        forming would compile the canonical, and whether idle time reached that must not change a plan."""
+        return self._missing(chunk)
+
+    def _form_orphans_for_plan(self, *, everything: bool = False) -> None:
+        """Before a plan: form the set-aside patches a plan could use. One of a chunk out of the window (until
+        its recall), of the lead, of a chunk whose slot holds conditioning current for where it sits (served
+        from that), or formed on an antecedent the envelope would not let it reuse where the chunk sits now
+        is looked up by no plan (a survivor looks up only a patch formed on exactly what remains), so it waits
+        for idle time; so does one ``_held`` back. With ``everything``, none waits."""
+        if not self._executor.orphans:
+            return
+        # chunk -> (its antecedent now, whether only a patch formed on exactly that is looked up); absent: none
+        where: dict[ChunkId, tuple[Antecedent, bool]] = {}
+        graph, slots = self._state.graph, self._state.slots
+        for i, (slot, _, _, ante) in enumerate(self._view().layout()):
+            behind = frozenset(s.chunk_id for s in slots[i + 1 :])
+            own = slot.materialised() and not (slot.absorbed & behind) and not graph.is_stale(slot.chunk_id)
+            if i == 0 or (own and slot.antecedent == ante):
+                continue
+            where[slot.chunk_id] = (ante, own and dropped_run(slot.antecedent or (), ante))  # a survivor: exact only
+
+        def wait(chunk: Chunk, pending: PendingPatch) -> bool:
+            if everything:
+                return False
+            if self._held(chunk, pending) or chunk.id not in where:
+                return True
+            ante, exact_only = where[chunk.id]
+            if exact_only:
+                return pending.antecedent != ante
+            return not judge(pending.antecedent, ante, self.config.envelope).reuse
+
+        self._executor.form_orphans(wait=wait)
 
     def _log_plan(self, plan: Plan) -> None:
         self._stats.log(Decision(step=self._state.step, chunk="*", source="plan", reason=plan.summary()))

@@ -62,6 +62,9 @@ class ReusePolicy:
     #: a use of an unchanged window reuses the window assembled at the last use (``recompute`` does not:
     #: it re-prefills the whole window on every use, the baseline it stands for)
     reuses_assembly: ClassVar[bool] = True
+    #: with background work on, the window prices this policy's plan against exact alternatives with fewer
+    #: forwards (one fused re-prefill of the window among them) and runs the cheapest (``plan_cost``)
+    cost_based: ClassVar[bool] = False
 
     def plan(self, view: WindowView) -> Plan:
         raise NotImplementedError

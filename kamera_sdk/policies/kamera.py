@@ -27,7 +27,7 @@ from .base import ReusePolicy, WindowView, register_policy
 _KIND_RANK = {PatchKind.ORBIT: 0, PatchKind.FRESH: 1, PatchKind.EXACT: 2, PatchKind.REMOVAL: 2}
 
 
-def _dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
+def dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
     """``current`` is ``formed_on`` with one contiguous run removed: the oldest chunks (a slide), or a run
     behind an unchanged head (a conversation trimmed behind its kept system message)."""
     k = len(formed_on) - len(current)
@@ -56,6 +56,7 @@ def _usable(p: StoredPatch, view: WindowView) -> bool:
 class KameraPolicy(ReusePolicy):
     name = "kamera"
     forms_orbit_patches = True
+    cost_based = True
 
     def plan(self, view: WindowView) -> Plan:
         cfg = view.config
@@ -88,7 +89,7 @@ class KameraPolicy(ReusePolicy):
             formed = slot.antecedent or ()
             if formed == ante:
                 return SlotPlan(chunk, start, ante, Source.KEEP, reason="antecedent unchanged")
-            if _dropped_run(formed, ante):
+            if dropped_run(formed, ante):
                 if view.config.survivors == "rotate" and view.config.background == "off":
                     return SlotPlan(
                         chunk, start, ante, Source.SURVIVOR, reason=f"survivor: {len(formed) - len(ante)} slid out"

@@ -211,6 +211,7 @@ def test_every_counter_on_a_scripted_kamera_session(engine, tmp_path: Path) -> N
         "background_queued": {},
         "background_done": {},
         "background_inline": {},
+        "cost_plans": {},  # background off: plans are the policy's, not priced
         "forwards": 7,
         "tokens_prefilled": 28,
         "ingest_tokens": 21,
@@ -224,6 +225,7 @@ def test_every_counter_on_a_scripted_kamera_session(engine, tmp_path: Path) -> N
         "blind_served": 0,
         "prefix_hits": 0,
         "background_tokens": 0,
+        "fused_refills": 0,
     }
     child = win.fork()
     fork = child.stats()
