@@ -493,7 +493,7 @@ class ContextWindow:
         needs are formed)."""
         self._flush_stale()
         self._form_orphans_for_plan()
-        return self._cost_plan(self.policy.plan(self._view()), 0)
+        return self._cost_plan(self.policy.plan(self._view()), 0, count=False)
 
     @foreground()
     def assemble(self) -> KV:
@@ -791,7 +791,8 @@ class ContextWindow:
         if orphans and not any(t.kind == "patches" for t in self._queue.tasks):
             # latency only: a plan that could use one of them forms it first (``_form_orphans_for_plan``)
             run = functools.partial(self._executor.form_orphans, raise_errors=False, wait=self._held)
-            tokens = sum(len(c) for c, _, p in self._executor.orphans if c.canonical is None and p.stored is None)
+            orphans_now = [(c, p) for c, _, p in self._executor.orphans if not self._held(c, p) and p.stored is None]
+            tokens = sum(len(c) for c, _ in orphans_now if c.canonical is None)
             self._push(Task("patches", "*", Phase.LATENCY, float(orphans), tokens, run))
 
     def _queue_prefetch(self) -> None:
@@ -844,7 +845,8 @@ class ContextWindow:
             plan, end, _ = found
             st = self._stats
             kv_bytes, tokens = st.window_kv_bytes, st.window_tokens  # a prefix is not the window
-            head = Plan(plan.policy, plan.slots[:end], plan.anchor_len, plan.recompute)
+            # priced like a use (no prompt): a lead whose canonical is still to be compiled rides in the run
+            head = self._cost_plan(Plan(plan.policy, plan.slots[:end], plan.anchor_len, plan.recompute), 0)
             execution = self._executor.run(
                 head, self._state.slots[:end], self.policy.keeps_slot_kv, self._state.graph, self._state.step
             )
@@ -1038,15 +1040,17 @@ class ContextWindow:
         return plan, execution
 
     # --- the cost-based plan (plan_cost) ---------------------------------------------------------------
-    def _cost_plan(self, plan: Plan, prompt_len: int) -> Plan:
+    def _cost_plan(self, plan: Plan, prompt_len: int, *, count: bool = True) -> Plan:
         """With background work on, a policy that opts in (``ReusePolicy.cost_based``) has its plan priced
         against the exact alternatives of ``plan_cost`` (one forward from the first prefilled slot on, one
         fused re-prefill of the window) and the cheapest runs; the choice is logged and counted
-        (``cost_plans``). Off, the plan is the policy's, as before."""
+        (``cost_plans``) unless the plan is only shown (``count=False``). Off, the plan is the policy's."""
         if self.config.background == "off" or not self.policy.cost_based:
             return plan
         plan = self._lead_from_own(plan)
         choice = choose(plan, prompt_len, self._missing, self.cost_model)
+        if not count:
+            return choice.plan
         self._stats.count_task(self._stats.cost_plans, choice.name)
         if choice.name != "policy":
             reason = choice.describe(self.cost_model)

@@ -209,4 +209,69 @@ def test_evicting_the_lead_never_costs_more_than_recompute() -> None:
     assert all(k <= r for k, r in zip(kam, rec, strict=True)), (kam, rec)
 
 
+#: what the engine runs on a window's critical path (background work excluded)
+_CRITICAL = (Work.INGEST, Work.CONTEXT, Work.PROMPT)
+
+
+def _look_back(policy: str, config: WindowConfig | None, idle: bool) -> tuple[int, int, torch.Tensor]:
+    """A multi-hop look-back: four passages asked over, then evict the first, add another, recall the first
+    at the end, ask. Returns the forwards and tokens the engine ran on the critical path from the eviction
+    to the answer, and the answer's log-probs. ``idle``: the agent's idle time after each operation."""
+    win = ContextWindow(_ENGINE, policy=policy, config=config)
+    passages = [win.add(random_ids(10 + 3 * i, seed=700 + i)) for i in range(4)]
+    win.next_token_logprobs(PROMPT)
+    steps = [
+        lambda: win.evict(passages[0]),
+        lambda: win.add(random_ids(12, seed=777)),
+        lambda: win.recall(passages[0]),
+    ]
+    before = win.stats()
+    for step in steps:
+        if idle:
+            win.prepare()
+        step()
+    if idle:
+        win.prepare()
+    lp = win.next_token_logprobs(PROMPT)
+    after = win.stats()
+    forwards = sum(after._work(w).forwards - before._work(w).forwards for w in _CRITICAL)
+    tokens = sum(after._work(w).tokens - before._work(w).tokens for w in _CRITICAL)
+    return forwards, tokens, lp
+
+
+def test_a_look_back_never_costs_more_than_recompute() -> None:
+    """Counted in forwards and tokens: with idle time between the operations, the look-back's operations
+    plus the question run one forward (the new passage, the recalled one and the prompt together) and fewer
+    tokens than recompute's build plus question; with none, no more tokens, and one forward more (the
+    survivors' re-conditioning is a forward of its own, so the answer does not depend on timing); the
+    answer equals recompute's to float rounding either way."""
+    rec_f, rec_t, rec_lp = _look_back("recompute", None, idle=False)
+    assert rec_f == 1
+    for idle in (True, False):
+        f, t, lp = _look_back("kamera", WindowConfig(rank=4, background="manual"), idle)
+        assert (lp - rec_lp).abs().max() < 1e-4, idle
+        if idle:
+            assert f <= rec_f and t < rec_t, (f, t, rec_f, rec_t)
+        else:
+            assert f <= rec_f + 1 and t <= rec_t, (f, t, rec_f, rec_t)
+
+
+def test_a_lead_prefilled_in_front_is_served_from_its_own_kv() -> None:
+    """A fused re-prefill puts the lead in the forward; its canonical (deferred) is not compiled later to
+    serve it: the next use keeps its own KV, conditioned on the anchor alone, and counts the choice."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
+    a, b, c = (win.add(random_ids(8 + i, seed=40 + i)) for i in range(3))
+    win.next_token_logprobs(PROMPT)
+    win.reorder([c, a, b])  # c's canonical was deferred: compiling it would be a forward of its own
+    assert (win.next_token_logprobs(PROMPT) - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    st = win.stats()
+    assert st.fused_refills == 1 and st.cost_plans["fused"] == 1
+    assert any(d.source == "cost" and "fused" in d.reason for d in st.decisions)
+    assert win.chunk(c).canonical is None
+    win.add(random_ids(9, seed=60))
+    assert win.plan().slots[0].source.value == "keep"
+    assert (win.next_token_logprobs(PROMPT) - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    assert win.chunk(c).canonical is None  # idle time may still compile it; nothing on the path did
+
+
 _ENGINE = tiny_engine("llama", seed=3)
