@@ -70,7 +70,7 @@ def message_text(message: BaseMessage) -> str:
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:
     """A tool call as the model emits it under ``kamera_sdk.tool_grammar`` (compact JSON, name first)."""
-    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
 
 
 def message_payload(message: BaseMessage) -> dict[str, Any]:
