@@ -22,8 +22,11 @@ from .errors import ConstraintError, InvalidInputError
 
 GrammarKind = Literal["json_schema", "regex", "lark"]
 
-#: JSON output without free whitespace: every token carries content, so a bounded answer completes sooner
-_JSON_OPTIONS = {"whitespace_flexible": False}
+#: JSON output in one fixed layout, the one most JSON a model has read uses (``json.dumps``'s default
+#: separators ``", "`` and ``": "``): no free whitespace, so no token is spent on layout and a bounded
+#: answer completes sooner; and the separators a model expects, so after ``"key":`` its usual next token
+#: (`` "``, a space and a quote) is admitted instead of being masked into an odd value (a nested object)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,20 @@ class Grammar:
 
     kind: GrammarKind
     source: str  # the schema as JSON text, the regex, or the Lark grammar
+    #: the loop guard for answers that are JSON (0: off): once the last ``string_loop_tokens`` tokens of a
+    #: JSON string repeat a run of as many tokens already written in that same string, the model is looping
+    #: (greedy decoding repeats such a run for ever), and only tokens that close the string are admitted,
+    #: where the grammar admits one there. The answer still matches the grammar; it is just not spent on one
+    #: string until ``max_tokens`` runs out, so the fields after it come.
+    string_loop_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.string_loop_tokens, int) or self.string_loop_tokens < 0:
+            raise InvalidInputError(f"string_loop_tokens must be an int >= 0, got {self.string_loop_tokens!r}")
+
+    def with_loop_guard(self, tokens: int) -> Grammar:
+        """The same grammar with ``string_loop_tokens = tokens`` (for grammars whose answers are JSON)."""
+        return Grammar(self.kind, self.source, tokens)
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str | bool) -> Grammar:
@@ -45,7 +62,10 @@ class Grammar:
                 raise InvalidInputError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, Mapping):
             raise InvalidInputError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        grammar = cls("json_schema", json.dumps(schema, sort_keys=True))
+        # the schema's own key order: llguidance emits an object's properties in the order they are listed,
+        # so a model writes them as the schema's author ordered them (a name before its arguments, a
+        # required ``setup`` before an optional ``punchline``), never alphabetically
+        grammar = cls("json_schema", json.dumps(schema))
         grammar.compile()  # refuse a schema the compiler cannot take now, not at the first token
         return grammar
 
@@ -72,7 +92,7 @@ class Grammar:
         lg = _llguidance()
         try:
             if self.kind == "json_schema":
-                text = lg.LLMatcher.grammar_from_json_schema(self.source, defaults=_JSON_OPTIONS)
+                text = lg.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_LAYOUT)
             elif self.kind == "regex":
                 text = lg.LLMatcher.grammar_from_regex(self.source)
             else:
@@ -96,6 +116,8 @@ class TokenConstraint:
             raise InvalidInputError(f"the {grammar.kind} grammar does not compile: {self._matcher.get_error()}")
         self._vocab = vocab_size
         self._bitmask = _torch_helpers().allocate_token_bitmask(1, self._tok.vocab_size)
+        guard = grammar.string_loop_tokens
+        self._loop = _StringLoop(guard, tokenizer, self._tok) if guard else None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -117,20 +139,86 @@ class TokenConstraint:
         lt.apply_token_bitmask_inplace(head, self._bitmask[0])
         if logits.shape[0] > n:  # model rows past the tokenizer's vocabulary are never admitted
             logits[n:] = float("-inf")
+        if self._loop is not None and self._loop.looping:
+            self._loop.close_(logits)
         return logits
 
     def advance(self, token: int) -> None:
         """Feed the token that was picked to the matcher."""
         self._matcher.consume_token(int(token))
         self._check()
+        if self._loop is not None:
+            self._loop.feed(int(token))
 
     def _check(self) -> None:
         if self._matcher.is_error():
             raise ConstraintError(f"constrained decoding failed: {self._matcher.get_error()}")
 
 
+class _StringLoop:
+    """Where a JSON answer is (inside a string or not) and whether that string is repeating itself.
+
+    An answer that opens with ``{`` or ``[`` is JSON (the grammar says so), so a quote that is not escaped
+    opens or closes a string; the scan is over the tokens' bytes (a quote or backslash byte is never part of
+    a multi-byte character). An answer that opens otherwise is not scanned.
+    """
+
+    def __init__(self, n: int, tokenizer: Any, ll_tokenizer: Any) -> None:
+        self._n = n
+        self._bytes = ll_tokenizer.decode_bytes
+        self._closers = _closing_tokens(tokenizer, ll_tokenizer)
+        self._in_string = False
+        self._escaped = False
+        self._run: list[int] = []  # tokens written in the current string
+        self._json: bool | None = None  # does the answer open as a JSON object or array (None: not known yet)
+        self.looping = False
+
+    def feed(self, token: int) -> None:
+        for byte in self._bytes([token]):
+            if self._json is None and byte not in b" \t\r\n":
+                self._json = byte in b"{["  # an answer that opens as text (a Lark TEXT branch) is never scanned
+            if not self._json:
+                continue
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string and byte == 0x5C:  # backslash
+                self._escaped = True
+            elif byte == 0x22:  # quote
+                self._in_string = not self._in_string
+                self._run = []
+        if self._in_string:
+            self._run.append(token)
+        n, run = self._n, self._run
+        tail = run[-n:]
+        self.looping = (
+            self._in_string and len(run) >= 2 * n and any(run[i : i + n] == tail for i in range(len(run) - 2 * n + 1))
+        )
+
+    def close_(self, logits: torch.Tensor) -> None:
+        """Keep only the admitted tokens that close the string (all admitted ones when none does)."""
+        closers = self._closers.to(logits.device)
+        m = min(logits.shape[0], closers.shape[0])
+        admitted = torch.isfinite(logits[:m]) & closers[:m]
+        if bool(admitted.any()):
+            logits[:m][~closers[:m]] = float("-inf")
+            logits[m:] = float("-inf")
+
+
 # --- lazy imports and per-tokenizer cache -------------------------------------------------------------
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_CLOSERS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _closing_tokens(tokenizer: Any, ll_tokenizer: Any) -> torch.Tensor:
+    """(vocab,) bool: the tokens whose text starts with a quote (inside a JSON string, they close it)."""
+    cached = _CLOSERS.get(tokenizer)
+    if cached is None:
+        decode = ll_tokenizer.decode_bytes
+        ids = [i for i in range(ll_tokenizer.vocab_size) if decode([i])[:1] == b'"']
+        cached = torch.zeros(ll_tokenizer.vocab_size, dtype=torch.bool)
+        cached[ids] = True
+        _CLOSERS[tokenizer] = cached
+    return cached
 
 
 def _ll_tokenizer(tokenizer: Any) -> Any:

@@ -16,9 +16,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from kamera_engine import Grammar, InvalidInputError
-
-#: JSON with no free whitespace inside tool calls (each token carries content)
-_COMPACT = {"whitespace_flexible": False}
+from kamera_engine.constrained import JSON_LAYOUT
 
 
 class ToolSpec(BaseModel):
@@ -37,9 +35,16 @@ class ToolCall(BaseModel):
     arguments: dict[str, Any]
 
 
+#: The loop guard of every tool call and structured answer (``Grammar.string_loop_tokens``): a string whose
+#: last 8 tokens repeat a run of 8 already in it is closed. A small model that starts repeating a phrase
+#: inside a free-text field would otherwise fill ``max_tokens`` with it and never reach the fields (or the
+#: closing brace) after it; 8 tokens verbatim twice in one field is a loop, not prose.
+STRING_LOOP_TOKENS = 8
+
+
 def json_grammar(schema: Mapping[str, Any] | bool) -> Grammar:
-    """Answers that are JSON documents valid under ``schema`` (``True``: any JSON object)."""
-    return Grammar.json_schema(schema)
+    """Answers that are JSON documents valid under ``schema`` (``True``: any JSON object), with the loop guard."""
+    return Grammar.json_schema(schema).with_loop_guard(STRING_LOOP_TOKENS)
 
 
 def tool_grammar(tools: Sequence[ToolSpec], choice: str = "auto") -> Grammar:
@@ -56,9 +61,11 @@ def tool_grammar(tools: Sequence[ToolSpec], choice: str = "auto") -> Grammar:
         tools = [t for t in tools if t.name == choice]
     schema = _calls_schema(tools)
     if choice != "auto":
-        return Grammar.json_schema(schema)
-    # a call, or text that does not open with '{' (so a call is never half text)
-    return Grammar.lark(f"start: call | TEXT\ncall: %json {json.dumps(schema)}\nTEXT: /[^{{\\s][\\s\\S]*/\n")
+        return json_grammar(schema)
+    # a call, or text that does not open with '{' (so a call is never half text); the loop guard only acts
+    # inside a string that a call opened (text never opens with '{', and its quotes are the model's own)
+    text = Grammar.lark(f"start: call | TEXT\ncall: %json {json.dumps(schema)}\nTEXT: /[^{{\\s][\\s\\S]*/\n")
+    return text.with_loop_guard(STRING_LOOP_TOKENS)
 
 
 def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | None:
@@ -87,7 +94,7 @@ def _calls_schema(tools: Sequence[ToolSpec]) -> dict[str, Any]:
         for t in tools
     ]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": _COMPACT}
+    return {**schema, "x-guidance": dict(JSON_LAYOUT)}
 
 
 def closed_schema(schema: Any) -> Any:
@@ -114,6 +121,14 @@ def closed_schema(schema: Any) -> Any:
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
+
+
+#: The system turn of a JSON-mode answer (``response_format: json_object``). The grammar only makes the answer
+#: a JSON object; which keys it holds is the model's choice, and a small model asked for "'setup' and
+#: 'punchline' keys" writes the first and closes. Said once, as a rule of the mode, it writes each key named.
+JSON_MODE_PROMPT = (
+    "You reply in JSON mode: one JSON object holding each key the user asks for, in the order they are named."
+)
 
 
 def tools_prompt(tools: Sequence[ToolSpec], choice: str) -> str:

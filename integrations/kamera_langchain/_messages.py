@@ -1,7 +1,7 @@
 """LangChain messages -> (role, text): what each message contributes to its chunk.
 
 Tool calls on an AI message are written out as the JSON objects a constrained answer emits
-(``{"name":...,"arguments":{...}}``, one per line, see ``_tools``), so a call the model made reads the same
+(``{"name": ..., "arguments": {...}}``, one per line, see ``_tools``), so a call the model made reads the same
 when it comes back as history; tool results are a ``tool`` turn. Image parts raise: they need a vision-language
 engine, and a silently dropped image would make the answer about something the model never saw.
 """
@@ -69,8 +69,8 @@ def message_text(message: BaseMessage) -> str:
 
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:
-    """A tool call as the model emits it under ``kamera_sdk.tool_grammar`` (compact JSON, name first)."""
-    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False)
+    """A tool call as the model emits it under ``kamera_sdk.tool_grammar`` (name first, the grammar's layout)."""
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
 
 
 def message_payload(message: BaseMessage) -> dict[str, Any]:

@@ -43,6 +43,11 @@ class AnswerShape:
     def calls_tools(self) -> bool:
         return bool(self.tools)
 
+    @property
+    def json_mode(self) -> bool:
+        """The answer is any JSON object (``response_format`` of type ``json_object``)."""
+        return isinstance(self.response_format, Mapping) and self.response_format.get("type") == "json_object"
+
 
 def choice_name(tool_choice: Any) -> str | None:
     """LangChain's ``tool_choice`` as Kamera's: ``"auto"``, ``"required"``, ``"none"``, a tool name, or None."""

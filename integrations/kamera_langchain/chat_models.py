@@ -47,6 +47,7 @@ from kamera_sdk import (
     open_store,
     tools_prompt,
 )
+from kamera_sdk.tools import JSON_MODE_PROMPT
 
 from ._conversation import Conversation, SyncReport, stats_delta
 from ._messages import message_payload, message_role, message_text
@@ -312,8 +313,11 @@ class ChatKamera(BaseChatModel):
         return sum(len(engine.tokenize(t)) for t in self._texts(messages, shape, fmt))
 
     def _texts(self, messages: Sequence[BaseMessage], shape: AnswerShape, fmt: ChatFormat) -> list[str]:
-        """The call's chunk texts: the tools' description turn (when it may call tools), then each message."""
+        """The call's chunk texts: the tools' description turn (when it may call tools) or JSON mode's rule,
+        then each message."""
         head = [fmt.render("system", tools_prompt(shape.tools, shape.choice))] if shape.calls_tools else []
+        if shape.json_mode:
+            head = [fmt.render("system", JSON_MODE_PROMPT)]
         return head + [fmt.render(message_role(m), message_text(m)) for m in messages]
 
     # --- tools and structured output -----------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kamera_engine import Grammar, InvalidInputError, SamplingParams
+from kamera_engine.constrained import TokenConstraint
 from tests.conftest import tiny_chat_engine
 
 
@@ -127,3 +128,70 @@ def test_a_constrained_row_in_a_batch_equals_its_answer_alone(chat: object) -> N
     batched = [list(r) for r in reqs]
     assert batched == alone
     jsonschema.validate(json.loads(chat.tokenizer.decode(batched[0], skip_special_tokens=True)), schema)
+
+
+def test_properties_come_in_the_schema_order_and_the_usual_layout(chat: object) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "setup": {"type": "string", "maxLength": 6},
+            "punchline": {"type": "string", "maxLength": 6},
+            "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["setup", "punchline", "count"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        text = answer(chat, Grammar.json_schema(schema), temperature=1.0, seed=seed)
+        obj = json.loads(text)
+        assert list(obj) == ["setup", "punchline", "count"]  # as listed, not alphabetical
+        assert text == json.dumps(obj, ensure_ascii=False)  # separators ", " and ": ", no other whitespace
+
+
+def _walk(chat: object, grammar: Grammar, text: str) -> TokenConstraint:
+    constraint = TokenConstraint(grammar, chat.tokenizer, chat.vocab_size)
+    for token in chat.tokenizer.encode(text, add_special_tokens=False):
+        constraint.advance(token)
+    return constraint
+
+
+def _admitted(chat: object, constraint: TokenConstraint) -> list[str]:
+    logits = constraint.mask_(torch.zeros(chat.vocab_size))
+    return [chat.tokenizer.decode([i]) for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()]
+
+
+def test_the_loop_guard_closes_a_string_that_repeats_itself(chat: object) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "t": {"type": "string"}}, "required": ["s"]}
+    guarded = Grammar.json_schema(schema).with_loop_guard(3)
+    looping = '{"s": "a cat is a cat is a cat is'  # the last 3 tokens repeat a run of 3 in the string
+    admitted = _admitted(chat, _walk(chat, guarded, looping))
+    assert admitted and all(t.startswith('"') for t in admitted)  # only tokens that close the string
+    assert len(_admitted(chat, _walk(chat, guarded, '{"s": "a cat is on the mat'))) > 100  # no loop: free
+    assert len(_admitted(chat, _walk(chat, Grammar.json_schema(schema), looping))) > 100  # guard off: free
+    # the next string starts afresh: the same words in "t" are no loop yet
+    assert len(_admitted(chat, _walk(chat, guarded, looping + '", "t": "a cat is'))) > 100
+
+
+def test_the_loop_guard_leaves_text_answers_and_escaped_quotes_alone(chat: object) -> None:
+    lark = Grammar.lark('start: call | TEXT\ncall: %json {"type": "object"}\nTEXT: /[^{\\s][\\s\\S]*/\n')
+    text = 'say "a cat is a cat is a cat is'  # an answer in text: quotes are the model's own
+    assert len(_admitted(chat, _walk(chat, lark.with_loop_guard(3), text))) > 100
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    escaped = '{"s": "\\"a cat is a cat is a cat is'  # still inside the string after an escaped quote
+    admitted = _admitted(chat, _walk(chat, Grammar.json_schema(schema).with_loop_guard(3), escaped))
+    assert admitted and all(t.startswith('"') for t in admitted)
+
+
+def test_answers_under_an_eager_loop_guard_still_parse_and_validate(chat: object) -> None:
+    rng = random.Random(99)  # a guard of 2 tokens closes strings often: the answer must still be valid
+    for i in range(20):
+        schema = {"type": "object", "properties": {"v": random_schema(rng)}, "required": ["v"]}
+        schema["additionalProperties"] = False
+        grammar = Grammar.json_schema(schema).with_loop_guard(2)
+        text = answer(chat, grammar, temperature=0.0 if i % 2 else 1.0, seed=i)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_the_loop_guard_must_be_a_count() -> None:
+    with pytest.raises(InvalidInputError, match="string_loop_tokens"):
+        Grammar.json_schema({"type": "object"}).with_loop_guard(-1)

@@ -89,13 +89,13 @@ def test_format_falls_back_per_role_and_without_template() -> None:
 
 def test_tool_calls_and_results_are_text() -> None:
     ai = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}])
-    assert message_text(ai) == '{"name":"add","arguments":{"a":1,"b":2}}'  # as a constrained call is emitted
+    assert message_text(ai) == '{"name": "add", "arguments": {"a": 1, "b": 2}}'  # as a constrained call is emitted
     assert message_text(ToolMessage("3", tool_call_id="c1")) == "3"
     anthropic = AIMessage(
         [{"type": "text", "text": "let me add"}, {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1}}],
         tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c1"}],
     )
-    assert message_text(anthropic) == 'let me add\n{"name":"add","arguments":{"a":1}}'  # the call once
+    assert message_text(anthropic) == 'let me add\n{"name": "add", "arguments": {"a": 1}}'  # the call once
     parts = HumanMessage(content=[{"type": "text", "text": "a"}, "b"])
     assert message_text(parts) == "ab"
 

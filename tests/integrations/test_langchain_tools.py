@@ -3,6 +3,7 @@ random weights emit a call or a document that parses; how calls, tool turns and 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import pytest
@@ -14,6 +15,7 @@ from typing_extensions import TypedDict
 from kamera_langchain import ChatKamera
 from kamera_sdk import Engine, InvalidInputError
 from kamera_sdk import closed_schema as closed
+from kamera_sdk.tools import JSON_MODE_PROMPT
 from tests.conftest import tiny_chat_engine
 
 
@@ -118,6 +120,27 @@ def test_structured_output_include_raw_and_json_mode(tiny: Engine) -> None:
     loose = chat(tiny, max_tokens=24).with_structured_output(None, method="json_mode", include_raw=True)
     raw = loose.invoke("Anything.")["raw"]
     assert str(raw.content).startswith("{")  # a JSON object, however far it got
+
+
+def test_json_mode_states_its_rule_in_a_system_turn_and_schemas_do_not(tiny: Engine) -> None:
+    base = chat(tiny, max_tokens=8)
+    base.bind(response_format={"type": "json_object"}).invoke("Return 'a' and 'b' keys.")
+    texts = [str(base.window().chunk(c).text) for c in base.window().chunks]
+    assert len(texts) == 2 and texts[0] == f"<|im_start|>system\n{JSON_MODE_PROMPT}<|im_end|>\n"
+    base.with_structured_output(Mood, include_raw=True).invoke("How do I feel?")
+    first = base.window().chunks[0]
+    assert str(base.window().chunk(first).text).startswith("<|im_start|>user")
+
+
+def test_a_call_back_in_history_reads_as_the_grammar_writes_it(tiny: Engine) -> None:
+    base = chat(tiny)
+    llm = base.bind_tools([switch], tool_choice="switch")
+    ask = HumanMessage("Light the hall.")
+    call = llm.invoke([ask])
+    llm.invoke([ask, call, ToolMessage("done", tool_call_id=call.tool_calls[0]["id"])])
+    texts = [str(base.window().chunk(c).text) for c in base.window().chunks]
+    written = json.dumps({"name": "switch", "arguments": call.tool_calls[0]["args"]})  # name first, ", " ": "
+    assert texts[2] == f"<|im_start|>assistant\n{written}<|im_end|>\n"
 
 
 def test_refusals(tiny: Engine) -> None:
