@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -384,6 +385,10 @@ def _rows_attention(
     return torch.cat(outs, dim=1), None  # type: ignore[arg-type]
 
 
+#: attention keywords the direct SDPA call does not honour: those calls go through the model's own function
+_UNUSUAL = frozenset({"softcap", "position_bias", "s_aux", "sinks", "output_attentions", "head_mask"})
+
+
 def _together_attention(
     module: nn.Module,
     fn: Any,
@@ -428,7 +433,14 @@ def _together_attention(
             )
         rows.slab_masks[mask_key] = mask
     q = query[0, :, group.at].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
-    out, _ = fn(module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
+    if rows.base == "sdpa" and not (_UNUSUAL & kwargs.keys()):
+        # SDPA itself, with grouped heads as the single decode runs them (transformers' wrapper packs the
+        # heads differently once a mask is given, which rounds further from the single path)
+        out = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, scale=kwargs.get("scaling"), enable_gqa=q.shape[1] != k_all.shape[1]
+        ).transpose(1, 2)
+    else:
+        out, _ = fn(module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
     for j, i in enumerate(group.members):
         outs[i] = out[j : j + 1]
 
