@@ -5,6 +5,8 @@ decoding under their own ``SamplingParams``). Each ``step()`` runs one batched f
 (``batch.batched_forward``): one token for every running decode, plus prompt tokens of requests still
 prefilling, up to ``step_tokens`` in all, so a long prompt is prefilled in chunks over several steps
 and never stalls everyone's decode. Requests join at the next step and leave when they finish.
+Decoding requests keep their KV in the scheduler's ``DecodeSlab`` (while it fits the KV budget), so a
+step's decode rows attend in one call.
 A window's own forwards (``Engine.forward`` under ``serving``) are carried: run at once as one more row
 of a step that advances every running decode (``carry``).
 
@@ -612,11 +614,11 @@ class Scheduler:
             if req in self._running:
                 self._running.remove(req)
                 self._kv_bytes -= req.need_bytes
-            if req._cache is not None and req._cache.slab is self._slab:
-                self._slab.release(req._cache)
-                self._slab_need -= req.need_bytes
             elif req in self._waiting:
                 self._waiting.remove(req)
+            if req._cache is not None and req._cache.slab is self._slab:  # its slot goes to the last row
+                self._slab.release(req._cache)
+                self._slab_need -= req.need_bytes
             req._cache = None
             req._past = req._prefilled = None
             counter = {"done": "finished", "failed": "failed", "cancelled": "cancelled"}[state]
