@@ -15,7 +15,7 @@ from kamera_sdk.server.client import AsyncRemoteWindow, RemoteWindow
 URL = "http://kamera.test"
 BUSY = {"error": {"type": "CapacityError", "message": "the engine is at capacity"}}
 ADDED = {"chunk": "c1", "window": {"session": "s", "policy": "kamera", "chunks": ["c1"], "evicted": [], "tokens": 3}}
-STREAM = "event: token\ndata: {\"text\": \"hi\"}\n\nevent: done\ndata: {\"tokens\": 1, \"finish_reason\": \"stop\"}\n\n"
+STREAM = 'event: token\ndata: {"text": "hi"}\n\nevent: done\ndata: {"tokens": 1, "finish_reason": "stop"}\n\n'
 
 
 def _script(refusals: int, retry_after: str | None, ok: httpx.Response) -> tuple[Callable, list[str]]:
