@@ -2,11 +2,16 @@
 
 Each request (a *row*) brings its own past KV, its own new token ids and its own explicit positions.
 The rows' new tokens are packed into one sequence (no padding), so every weight GEMM of the model reads
-its weights once for all rows; attention is the only part that must not mix rows, and it runs per row:
-a registered transformers attention function slices the packed queries, keys and values by the rows'
-cumulative lengths, appends each row's new keys and values to that row's own cache, and calls the
-model's own attention implementation (SDPA on CPU) on exactly the shapes a single-request forward
-would use. See ``docs/batching.md`` for why this layout and what it costs.
+its weights once for all rows; attention is the only part that must not mix rows. A registered
+transformers attention function splits it by the rows' cumulative lengths:
+
+* decode rows (one new token each) whose caches live in one :class:`DecodeSlab` (their KV side by side
+  in per-layer ``(S, H, C, D)`` buffers) write their new keys and values in place and attend in **one**
+  call of the model's attention over the slab, a per-row length mask hiding each row's padding;
+* every other row (a prompt chunk, a window's page, a decode row outside a slab) appends to its own
+  cache and runs the model's own attention on exactly the shapes a single-request forward would use.
+
+See ``docs/batching.md`` for why this layout and what it costs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,7 +41,8 @@ class RowCache:
 
     A forward appends its new tokens in place while they fit and grows the buffer (one copy) when they
     do not; views handed to attention never outlive the forward. ``nbytes`` is what the row holds on
-    the device, capacity included, which is what a memory budget must count.
+    the device, capacity included, which is what a memory budget must count. A row admitted to a
+    :class:`DecodeSlab` keeps its buffers there (views of its slot) until it is released.
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> None:
@@ -43,6 +50,8 @@ class RowCache:
         self._values: list[torch.Tensor | None] = [v for _, v in layers]
         self._filled = [filled] * len(layers)
         self._reserve = 0  # room a first allocation makes (a row that starts empty)
+        self._slab: DecodeSlab | None = None  # the slab whose slot ``_slot`` holds this row's buffers, if any
+        self._slot = -1
 
     @classmethod
     def from_past(
@@ -95,6 +104,11 @@ class RowCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values) if t is not None)
 
+    @property
+    def slab(self) -> DecodeSlab | None:
+        """The decode slab holding this row's KV, if it was admitted to one."""
+        return self._slab
+
     def mark(self) -> list[int]:
         """The fill of every layer (to roll back a forward that failed part-way)."""
         return list(self._filled)
@@ -105,6 +119,8 @@ class RowCache:
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``(1, H, n, D)`` new keys and values after the layer's fill; the layer's keys and values so far."""
         n, at = int(keys.shape[2]), self._filled[layer]
+        if self._slab is not None and at + n > self._slab.capacity:
+            self._slab.reserve(at + n)  # the slab grows for every row (its buffers are views of it)
         buf_k, buf_v = self._keys[layer], self._values[layer]
         if buf_k is None or at + n > buf_k.shape[2]:
             room = max(at + n, self._reserve) if buf_k is None else 2 * (at + n)
@@ -139,6 +155,138 @@ def _empty(num_layers: int, reserve: int) -> RowCache:
     return cache
 
 
+class DecodeSlab:
+    """Decode rows' KV side by side, so one attention call serves every decode row of a step.
+
+    Per layer one ``(S, H, C, D)`` key buffer and one value buffer (zero-filled, so padding is finite);
+    an admitted row's ``RowCache`` buffers become views of its slot, and a forward's appends land in
+    the slab in place. Rows hold slots ``0 .. n-1`` (a leaving row's slot is taken by the last row), so a
+    step over every resident reads the slab's first ``n`` slots without a copy. A row joins with one
+    copy of its KV (``admit``) and a leaving row moves at most one other row (``release``). ``S`` and
+    ``C`` grow geometrically; an empty slab frees its buffers. ``nbytes`` is what the slab holds,
+    padding included: what a memory budget must count for its rows.
+    """
+
+    def __init__(self) -> None:
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._rows: list[RowCache] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def slots(self) -> int:
+        return int(self._keys[0].shape[0]) if self._keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self._keys[0].shape[2]) if self._keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    def nbytes_with(self, cache: RowCache, capacity: int) -> int:
+        """What the slab would hold after ``admit(cache, capacity)``."""
+        slots, cap = self._grown(len(self._rows) + 1, max(capacity, len(cache)))
+        per_token = sum(
+            t.shape[1] * t.shape[3] * t.element_size() for t in (*cache._keys, *cache._values) if t is not None
+        )
+        return slots * cap * per_token
+
+    def _grown(self, rows: int, capacity: int) -> tuple[int, int]:
+        slots = self.slots if rows <= self.slots else max(rows, 2 * self.slots, 4)
+        cap = self.capacity
+        if capacity > cap:
+            cap = -(-max(capacity, cap + cap // 4) // 64) * 64  # a quarter more, in steps of 64 tokens
+        return slots, cap
+
+    def admit(self, cache: RowCache, capacity: int) -> None:
+        """Move ``cache``'s KV into a slot with room for ``capacity`` tokens (one copy); the cache now
+        reads and writes the slab."""
+        if cache._slab is not None:
+            raise InvalidInputError("the row is already in a decode slab")
+        if not cache._keys or any(k is None for k in cache._keys):
+            raise InvalidInputError("an empty row cannot join a decode slab (prefill it first)")
+        if self._rows and not self._compatible(cache):
+            raise InvalidInputError("the row's KV shapes, dtype or device differ from the slab's rows")
+        self._resize(*self._grown(len(self._rows) + 1, max(capacity, max(cache._filled))), like=cache)
+        slot = len(self._rows)
+        for layer, (k, v) in enumerate(zip(cache._keys, cache._values, strict=True)):
+            n = cache._filled[layer]
+            self._keys[layer][slot, :, :n].copy_(k[0, :, :n])  # type: ignore[index]
+            self._values[layer][slot, :, :n].copy_(v[0, :, :n])  # type: ignore[index]
+        self._rows.append(cache)
+        cache._slab, cache._slot = self, slot
+        self._point(cache)
+
+    def release(self, cache: RowCache, *, keep: bool = False) -> None:
+        """Take ``cache`` out of the slab; the last row moves into its slot. ``keep``: the cache gets its KV
+        back in buffers of its own (one copy); otherwise it is left empty (a finished request's row)."""
+        if cache._slab is not self:
+            return
+        slot = cache._slot
+        if keep:
+            own = RowCache.from_layers(cache.layers())
+            cache._keys, cache._values = own._keys, own._values
+        else:
+            cache._keys = [None] * len(cache._keys)
+            cache._values = [None] * len(cache._values)
+            cache._filled = [0] * len(cache._filled)
+        cache._slab, cache._slot = None, -1
+        last = self._rows.pop()
+        if last is not cache:
+            self._rows[slot] = last
+            for layer, n in enumerate(last._filled):
+                self._keys[layer][slot, :, :n].copy_(self._keys[layer][last._slot, :, :n])
+                self._values[layer][slot, :, :n].copy_(self._values[layer][last._slot, :, :n])
+            last._slot = slot
+            self._point(last)
+        if not self._rows:
+            self._keys, self._values = [], []
+
+    def reserve(self, capacity: int) -> None:
+        """Room for ``capacity`` tokens in every slot (a row outgrowing the slab grows it for all)."""
+        if self._rows and capacity > self.capacity:
+            self._resize(self.slots, self._grown(len(self._rows), capacity)[1])
+
+    def _compatible(self, cache: RowCache) -> bool:
+        for mine, theirs in zip((*self._keys, *self._values), (*cache._keys, *cache._values), strict=True):
+            assert theirs is not None
+            if (mine.shape[1], mine.shape[3], mine.dtype, mine.device) != (
+                theirs.shape[1],
+                theirs.shape[3],
+                theirs.dtype,
+                theirs.device,
+            ):
+                return False
+        return len(cache._keys) == len(self._keys)
+
+    def _resize(self, slots: int, cap: int, *, like: RowCache | None = None) -> None:
+        if self._keys and (slots, cap) == (self.slots, self.capacity):
+            return
+        if not self._keys:
+            assert like is not None
+            src_k, src_v = like._keys, like._values
+            self._keys = [k.new_zeros(slots, k.shape[1], cap, k.shape[3]) for k in src_k]  # type: ignore[union-attr]
+            self._values = [v.new_zeros(slots, v.shape[1], cap, v.shape[3]) for v in src_v]  # type: ignore[union-attr]
+            return
+        old_slots, old_cap = self.slots, self.capacity
+        for bufs in (self._keys, self._values):
+            for layer, old in enumerate(bufs):
+                new = old.new_zeros(slots, old.shape[1], cap, old.shape[3])
+                new[:old_slots, :, :old_cap].copy_(old)
+                bufs[layer] = new
+        for row in self._rows:
+            self._point(row)
+
+    def _point(self, cache: RowCache) -> None:
+        s = cache._slot
+        cache._keys = [k[s : s + 1] for k in self._keys]
+        cache._values = [v[s : s + 1] for v in self._values]
+
+
 @dataclass(slots=True)
 class Row:
     """One request's part of a batched forward: new ``ids`` (N,) at ``positions`` (N,) after ``cache``."""
@@ -164,13 +312,26 @@ class Row:
 
 
 @dataclass(slots=True)
+class _Together:
+    """Decode rows attended in one call: their row indices, slots and packed positions, in slot order."""
+
+    slab: DecodeSlab
+    members: list[int]  # indices into the forward's rows
+    slots: torch.Tensor  # (B,) long
+    at: torch.Tensor  # (B,) each row's token in the packed sequence
+    in_place: bool  # slots are 0..B-1: the slab's first B slots are read as they lie
+
+
+@dataclass(slots=True)
 class _Rows:
     """What the attention function needs to split a packed forward into its rows."""
 
     caches: list[RowCache]
     spans: list[tuple[int, int]]  # [a, b) of each row in the packed sequence
     base: str  # the model's own attention implementation
+    together: _Together | None = None
     masks: dict[tuple[int, int, str], torch.Tensor | None] = field(default_factory=dict)
+    slab_masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -202,23 +363,115 @@ def _rows_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention of a packed batch: per row, its new keys and values join the row's cache and its queries
-    attend to that row alone, through the model's own implementation."""
+    """Attention of a packed batch: the slab's decode rows in one call; every other row's new keys and
+    values join its cache and its queries attend to that row alone, through the model's own implementation."""
     rows: _Rows | None = getattr(_local, "rows", None)
     if rows is None:  # a forward on another path while the name is set: behave as SDPA would
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     fn = _base_attention(module, rows.base)
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    outs = []
-    for cache, (a, b) in zip(rows.caches, rows.spans, strict=True):
+    outs: list[torch.Tensor | None] = [None] * len(rows.caches)
+    if rows.together is not None:
+        _together_attention(module, fn, query, key, value, rows, layer, outs, kwargs)
+    for i, (cache, (a, b)) in enumerate(zip(rows.caches, rows.spans, strict=True)):
+        if outs[i] is not None:
+            continue
         past = cache._filled[layer]
         k_all, v_all = cache.append(layer, key[:, :, a:b], value[:, :, a:b])
         mask_key = (past, b - a, str(query.device))
         if mask_key not in rows.masks:
             rows.masks[mask_key] = _row_mask(past, b - a, rows.base, query.device, query.dtype)
-        out, _ = fn(module, query[:, :, a:b], k_all, v_all, rows.masks[mask_key], **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=1), None
+        outs[i], _ = fn(module, query[:, :, a:b], k_all, v_all, rows.masks[mask_key], **kwargs)
+    return torch.cat(outs, dim=1), None  # type: ignore[arg-type]
+
+
+#: attention keywords the direct SDPA call does not honour: those calls go through the model's own function
+_UNUSUAL = frozenset({"softcap", "position_bias", "s_aux", "sinks", "output_attentions", "head_mask"})
+
+
+def _together_attention(
+    module: nn.Module,
+    fn: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: _Rows,
+    layer: int,
+    outs: list[torch.Tensor | None],
+    kwargs: dict[str, Any],
+) -> None:
+    """One attention call for the slab's decode rows: each row's new key and value are written in place
+    at its own length, then a ``(B, H, L_max, D)`` view of the slab is attended with a mask that shows
+    each row its own ``length + 1`` keys."""
+    group = rows.together
+    assert group is not None
+    caches = [rows.caches[i] for i in group.members]
+    pasts = [c._filled[layer] for c in caches]
+    slab = group.slab
+    longest = max(pasts) + 1
+    if longest > slab.capacity:
+        slab.reserve(longest)
+    k_buf, v_buf = slab._keys[layer], slab._values[layer]
+    where = torch.tensor(pasts, dtype=torch.long, device=k_buf.device)
+    k_buf[group.slots, :, where] = key[0, :, group.at].transpose(0, 1)
+    v_buf[group.slots, :, where] = value[0, :, group.at].transpose(0, 1)
+    for c, p in zip(caches, pasts, strict=True):
+        c._filled[layer] = p + 1
+    if group.in_place:
+        k_all, v_all = k_buf[: len(caches), :, :longest], v_buf[: len(caches), :, :longest]
+    else:
+        k_all = k_buf.index_select(0, group.slots)[:, :, :longest]
+        v_all = v_buf.index_select(0, group.slots)[:, :, :longest]
+    mask_key = tuple(pasts)
+    mask = rows.slab_masks.get(mask_key)
+    if mask is None:
+        allowed = torch.arange(longest, device=k_buf.device)[None, :] <= where[:, None]
+        mask = allowed[:, None, None, :]
+        if rows.base == "eager":
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=k_buf.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min
+            )
+        rows.slab_masks[mask_key] = mask
+    q = query[0, :, group.at].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
+    if rows.base == "sdpa" and not (_UNUSUAL & kwargs.keys()):
+        # SDPA itself, with grouped heads as the single decode runs them (transformers' wrapper packs the
+        # heads differently once a mask is given, which rounds further from the single path)
+        out = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, scale=kwargs.get("scaling"), enable_gqa=q.shape[1] != k_all.shape[1]
+        ).transpose(1, 2)
+    else:
+        out, _ = fn(module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
+    for j, i in enumerate(group.members):
+        outs[i] = out[j : j + 1]
+
+
+def _together(rows: Sequence[Row], base: str, spans: list[tuple[int, int]]) -> _Together | None:
+    """The decode rows of a forward that can attend in one call: one-token rows in the same slab (the slab
+    most of them are in), at least two of them, on an attention implementation that takes a mask."""
+    if base not in ("sdpa", "eager"):
+        return None
+    by_slab: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        slab = row.cache._slab
+        if slab is not None and row.ids.numel() == 1:
+            by_slab.setdefault(id(slab), []).append(i)
+    if not by_slab:
+        return None
+    members = max(by_slab.values(), key=len)
+    if len(members) < 2 or len({id(rows[i].cache) for i in members}) != len(members):
+        return None
+    members.sort(key=lambda i: rows[i].cache._slot)
+    slots = [rows[i].cache._slot for i in members]
+    slab = rows[members[0]].cache._slab
+    assert slab is not None
+    device = slab._keys[0].device
+    return _Together(
+        slab,
+        members,
+        torch.tensor(slots, dtype=torch.long, device=device),
+        torch.tensor([spans[i][0] for i in members], dtype=torch.long, device=device),
+        slots == list(range(len(slots))),
+    )
 
 
 ALL_ATTENTION_FUNCTIONS.register(ROWS_ATTENTION, _rows_attention)
@@ -267,7 +520,7 @@ def batched_forward(model: nn.Module, rows: Sequence[Row]) -> list[torch.Tensor 
     ids = torch.cat([r.ids for r in rows]).to(device)[None]
     positions = torch.cat([r.positions for r in rows]).to(device)[None]
     marks = [r.cache.mark() for r in rows]
-    state = _Rows([r.cache for r in rows], spans, base)
+    state = _Rows([r.cache for r in rows], spans, base, _together(rows, base, spans))
     try:
         with _rows_attention_on(model, state):
             out = model(

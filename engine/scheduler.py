@@ -5,6 +5,8 @@ decoding under their own ``SamplingParams``). Each ``step()`` runs one batched f
 (``batch.batched_forward``): one token for every running decode, plus prompt tokens of requests still
 prefilling, up to ``step_tokens`` in all, so a long prompt is prefilled in chunks over several steps
 and never stalls everyone's decode. Requests join at the next step and leave when they finish.
+Decoding requests keep their KV in the scheduler's ``DecodeSlab`` (while it fits the KV budget), so a
+step's decode rows attend in one call.
 A window's own forwards (``Engine.forward`` under ``serving``) are carried: run at once as one more row
 of a step that advances every running decode (``carry``).
 
@@ -31,7 +33,7 @@ import torch
 from pydantic import BaseModel
 from transformers import DynamicCache
 
-from .batch import Row, RowCache, batched_forward
+from .batch import DecodeSlab, Row, RowCache, batched_forward
 from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
@@ -76,6 +78,8 @@ class SchedulerStats(BaseModel):
     carried_tokens: int = 0
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
+    slab_rows: int = 0  # decoding requests whose KV sits in the decode slab now (attended in one call)
+    slab_bytes: int = 0  # the slab's buffers now, padding included
     kv_budget_bytes: int | None = None
     running: int = 0
     waiting: int = 0
@@ -243,6 +247,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._kv_bytes = 0
+        self._slab = DecodeSlab()  # decoding requests' KV side by side: one attention call for all of them
+        self._slab_need = 0  # need_bytes of the requests in the slab
         self._stats = SchedulerStats(kv_budget_bytes=kv_budget_bytes)
         self._driver: int | None = None  # the thread that drives steps, when one does
         self._wake = threading.Condition()
@@ -366,10 +372,14 @@ class Scheduler:
                     continue  # failed alone, or a prompt chunk that is not the last
                 if req.state == "cancelled":
                     continue
-                if req.state == "prefill" and not finishing:
-                    continue
-                req.state = "decode"
-                self._take(req, lg)
+                if req.state == "prefill":
+                    if not finishing:
+                        continue
+                    req.state = "decode"
+                    self._take(req, lg)
+                    self._to_slab(req)
+                else:
+                    self._take(req, lg)
             return True
 
     def carry(self, ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult | None:
@@ -501,6 +511,7 @@ class Scheduler:
             req._prefilled = None
             req.state = "decode"
             self._take(req, p.logits.float())
+            self._to_slab(req)
             return
         assert req._prompt is not None
         reserve = int(req._prompt.numel()) + params.max_new_tokens
@@ -542,6 +553,23 @@ class Scheduler:
         for req in plan.requests[: plan.decode_rows]:  # a decode row feeds its last token at the current position
             req._position += 1
         return plan
+
+    def _to_slab(self, req: Request) -> None:
+        """Move a request that starts decoding into the decode slab (one copy of its KV), when the slab with
+        it stays within the KV budget; otherwise it decodes from its own cache (attention of its own)."""
+        cache = req._cache
+        if req.state != "decode" or cache is None or cache.slab is not None:
+            return
+        capacity = len(cache) + req.params.max_new_tokens - len(req.generated) + 1
+        if self.kv_budget_bytes is not None:
+            others = self._kv_bytes - self._slab_need - req.need_bytes  # what the other requests may hold
+            if self._slab.nbytes_with(cache, capacity) + others > self.kv_budget_bytes:
+                return
+        try:
+            self._slab.admit(cache, capacity)
+        except InvalidInputError:  # a row of another shape (cannot happen for one engine's rows): decode alone
+            return
+        self._slab_need += req.need_bytes
 
     def _take(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the request's next token from its logits, hand it out, and finish the request when it ends."""
@@ -588,6 +616,9 @@ class Scheduler:
                 self._kv_bytes -= req.need_bytes
             elif req in self._waiting:
                 self._waiting.remove(req)
+            if req._cache is not None and req._cache.slab is self._slab:  # its slot goes to the last row
+                self._slab.release(req._cache)
+                self._slab_need -= req.need_bytes
             req._cache = None
             req._past = req._prefilled = None
             counter = {"done": "finished", "failed": "failed", "cancelled": "cancelled"}[state]
@@ -649,6 +680,8 @@ class Scheduler:
         with self._lock:
             s = self._stats.model_copy()
             s.kv_bytes = self._kv_bytes
+            s.slab_rows = len(self._slab)
+            s.slab_bytes = self._slab.nbytes
             s.running = len(self._running)
             s.waiting = len(self._waiting)
         return s

@@ -1,8 +1,12 @@
 """The engine server: one engine behind an HTTP API where sessions are windows.
 
 ``create_app(engine)`` returns a FastAPI app. Requests are handled concurrently on the event loop;
-all window and model work runs on one worker thread (``worker.py``), one job at a time, with decoding
-submitted per token so concurrent sessions interleave. Endpoints (JSON; errors as
+all window and model work runs on one worker thread (``worker.py``), one job at a time. With batching
+(the default for engines whose forwards can be packed), every session's answer is a request of the
+engine's ``Scheduler``, which the worker thread steps between jobs: all running answers decode together,
+one batched forward per step, and a job's own forwards ride in a step with them; an answer streams from
+its request without holding the thread. With ``batch=False``, decoding is pulled one token per job so
+concurrent sessions interleave. Endpoints (JSON; errors as
 ``{"error": {"type", "message"}}``, see ``errors.py``)::
 
     GET    /healthz                         liveness (no API key needed)

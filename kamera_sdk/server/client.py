@@ -14,11 +14,18 @@ new session. Errors come back as the same Kamera exceptions (``InvalidInputError
 
 Both classes are thin: each method is one request description from ``_Requests`` (no I/O there) sent
 by the class's own transport, so the sync and async twins cannot drift apart.
+
+A busy server answers 429 with ``Retry-After`` when its engine's KV budget or queue is full. With
+``retries=N`` the window waits as told (at most ``max_retry_wait_s`` per wait) and sends the request again,
+up to N times; a 429 without ``Retry-After`` (too many sessions, a request larger than the whole budget)
+is not transient and raises at once, as does the last refusal.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,6 +317,24 @@ def _options(
     return dict(policy=policy, rank=rank, budget_tokens=budget_tokens, compress=compress, kv_budget=kv_budget)
 
 
+def _retry_wait(response: httpx.Response, attempt: int, retries: int, cap: float) -> float | None:
+    """Seconds to wait before sending a refused request again, or None to give up: only a 429 that names
+    ``Retry-After`` (seconds) is retried, at most ``retries`` times, each wait capped at ``cap``."""
+    if response.status_code != 429 or attempt >= retries:
+        return None
+    header = response.headers.get("Retry-After")
+    try:
+        wait = float(header) if header is not None else None
+    except ValueError:  # an HTTP date: the server never sends one; treat it as no hint
+        wait = None
+    return None if wait is None else min(max(wait, 0.0), cap)
+
+
+def _check_retries(retries: int, max_retry_wait_s: float) -> None:
+    if retries < 0 or max_retry_wait_s < 0:
+        raise InvalidInputError(f"retries and max_retry_wait_s must be >= 0, got {retries}, {max_retry_wait_s}")
+
+
 def _unreachable(url: str, exc: httpx.TransportError) -> RemoteError:
     return RemoteError(f"cannot reach the Kamera server at {url}: {exc}", status=0, type_name="TransportError")
 
@@ -324,7 +349,8 @@ class RemoteWindow:
 
     ``client``: an ``httpx.Client`` to share (its ``base_url`` and auth are used as they are); by
     default the window opens its own. ``close()`` (or leaving ``with``) deletes a session this object
-    created and closes a client it opened.
+    created and closes a client it opened. ``retries`` / ``max_retry_wait_s``: how a 429 with
+    ``Retry-After`` is retried (see the module docstring; 0: never).
     """
 
     def __init__(
@@ -340,8 +366,12 @@ class RemoteWindow:
         kv_budget: float | None = None,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         client: httpx.Client | None = None,
+        retries: int = 0,
+        max_retry_wait_s: float = 30.0,
     ) -> None:
+        _check_retries(retries, max_retry_wait_s)
         self.base_url = base_url
+        self.retries, self.max_retry_wait_s = retries, max_retry_wait_s
         self._api_key = api_key
         self._timeout = timeout
         self._owns_client = client is None
@@ -361,26 +391,39 @@ class RemoteWindow:
 
     # --- transport ------------------------------------------------------------------------------
     def _send(self, req: _Request[T]) -> T:
-        try:
-            response = self._client.request(req.method, req.path, json=req.json)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.base_url, exc) from exc
-        return req.parse(_checked(response))
+        attempt = 0
+        while True:
+            try:
+                response = self._client.request(req.method, req.path, json=req.json)
+            except httpx.TransportError as exc:
+                raise _unreachable(self.base_url, exc) from exc
+            wait = _retry_wait(response, attempt, self.retries, self.max_retry_wait_s)
+            if wait is None:
+                return req.parse(_checked(response))
+            attempt += 1
+            time.sleep(wait)
 
     def _stream(self, req: _Request[Any]) -> RemoteTextStream:
         return RemoteTextStream(self._open(req))
 
     def _open(self, req: _Request[Any]) -> httpx.Response:
         """Send ``req`` and return its response unread (for a stream), or raise the error it answered."""
-        try:
-            response = self._client.send(self._client.build_request(req.method, req.path, json=req.json), stream=True)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.base_url, exc) from exc
-        if not response.is_success:
+        attempt = 0
+        while True:
+            try:
+                request = self._client.build_request(req.method, req.path, json=req.json)
+                response = self._client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise _unreachable(self.base_url, exc) from exc
+            if response.is_success:
+                return response
             response.read()
             response.close()
-            _checked(response)
-        return response
+            wait = _retry_wait(response, attempt, self.retries, self.max_retry_wait_s)
+            if wait is None:
+                _checked(response)
+            attempt += 1
+            time.sleep(wait or 0.0)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> RemoteWindow:
@@ -461,7 +504,13 @@ class RemoteWindow:
         child_id = self._send(self._r.fork())
         shared = None if self._owns_client else self._client
         child = RemoteWindow(
-            self.base_url, api_key=self._api_key, session_id=child_id, timeout=self._timeout, client=shared
+            self.base_url,
+            api_key=self._api_key,
+            session_id=child_id,
+            timeout=self._timeout,
+            client=shared,
+            retries=self.retries,
+            max_retry_wait_s=self.max_retry_wait_s,
         )
         child._owns_session = True
         return child
@@ -552,6 +601,7 @@ class AsyncRemoteWindow:
     ``async with AsyncRemoteWindow(url) as win`` opens it and deletes it on exit.
 
     ``chunks()``, ``evicted()`` and ``state()`` are coroutines here (properties cannot await).
+    ``retries`` / ``max_retry_wait_s`` as ``RemoteWindow``'s.
     """
 
     def __init__(
@@ -567,8 +617,12 @@ class AsyncRemoteWindow:
         kv_budget: float | None = None,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         client: httpx.AsyncClient | None = None,
+        retries: int = 0,
+        max_retry_wait_s: float = 30.0,
     ) -> None:
+        _check_retries(retries, max_retry_wait_s)
         self.base_url = base_url
+        self.retries, self.max_retry_wait_s = retries, max_retry_wait_s
         self._api_key = api_key
         self._timeout = timeout
         self._owns_client = client is None
@@ -581,11 +635,17 @@ class AsyncRemoteWindow:
 
     # --- transport ------------------------------------------------------------------------------
     async def _send(self, req: _Request[T]) -> T:
-        try:
-            response = await self._client.request(req.method, req.path, json=req.json)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.base_url, exc) from exc
-        return req.parse(_checked(response))
+        attempt = 0
+        while True:
+            try:
+                response = await self._client.request(req.method, req.path, json=req.json)
+            except httpx.TransportError as exc:
+                raise _unreachable(self.base_url, exc) from exc
+            wait = _retry_wait(response, attempt, self.retries, self.max_retry_wait_s)
+            if wait is None:
+                return req.parse(_checked(response))
+            attempt += 1
+            await asyncio.sleep(wait)
 
     async def _requests(self) -> _Requests:
         if self._r is None:
@@ -594,16 +654,22 @@ class AsyncRemoteWindow:
         return self._r
 
     async def _stream(self, req: _Request[Any]) -> AsyncRemoteTextStream:
-        try:
-            request = self._client.build_request(req.method, req.path, json=req.json)
-            response = await self._client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.base_url, exc) from exc
-        if not response.is_success:
+        attempt = 0
+        while True:
+            try:
+                request = self._client.build_request(req.method, req.path, json=req.json)
+                response = await self._client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise _unreachable(self.base_url, exc) from exc
+            if response.is_success:
+                return AsyncRemoteTextStream(response)
             await response.aread()
             await response.aclose()
-            _checked(response)
-        return AsyncRemoteTextStream(response)
+            wait = _retry_wait(response, attempt, self.retries, self.max_retry_wait_s)
+            if wait is None:
+                _checked(response)
+            attempt += 1
+            await asyncio.sleep(wait or 0.0)
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def open(self) -> AsyncRemoteWindow:
@@ -674,7 +740,13 @@ class AsyncRemoteWindow:
         child_id = await self._send((await self._requests()).fork())
         shared = None if self._owns_client else self._client
         child = AsyncRemoteWindow(
-            self.base_url, api_key=self._api_key, session_id=child_id, timeout=self._timeout, client=shared
+            self.base_url,
+            api_key=self._api_key,
+            session_id=child_id,
+            timeout=self._timeout,
+            client=shared,
+            retries=self.retries,
+            max_retry_wait_s=self.max_retry_wait_s,
         )
         child._owns_session = True
         return child

@@ -1,0 +1,288 @@
+"""Decode rows in a ``DecodeSlab`` attend in one call: every row still equals its single-request decode, with
+rows of different lengths, rows joining and leaving, the slab growing, and prompt rows in the same forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kamera_engine import Engine, InvalidInputError, SamplingParams
+from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
+from kamera_engine.runner import call_with_cache, run_forward
+from kamera_engine.scheduler import Scheduler
+from tests.conftest import random_ids, tiny_engine
+
+TOL = 1e-4
+
+
+class _Single:
+    """One request decoded alone on transformers' own cache: the reference a slab row must match."""
+
+    def __init__(self, engine: Engine, prompt: list[int]) -> None:
+        res = run_forward(engine.model, torch.tensor(prompt), None, 0)
+        self.model, self.cache, self.pos = engine.model, res.cache, len(prompt)
+        self.logits = res.logits[-1]
+
+    def step(self, token: int) -> torch.Tensor:
+        out = call_with_cache(
+            self.model, self.cache, input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]])
+        )
+        self.pos += 1
+        self.logits = out.logits[0, -1].float()
+        return self.logits
+
+
+def _prefilled(engine: Engine, prompt: list[int], reserve: int) -> tuple[RowCache, torch.Tensor]:
+    cache = RowCache.from_past(None, engine.num_layers, reserve=len(prompt) + reserve)
+    (logits,) = batched_forward(engine.model, [Row.at(cache, prompt, 0)])
+    assert logits is not None
+    return cache, logits
+
+
+def _check(out: torch.Tensor | None, ref: torch.Tensor) -> None:
+    assert out is not None
+    assert (out - ref).abs().max() < TOL
+    assert int(out.argmax()) == int(ref.argmax())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gpt_neox"])
+def test_slab_rows_of_different_lengths_decode_like_alone(family: str) -> None:
+    engine = tiny_engine(family)
+    prompts = [random_ids(n, 30 + n) for n in (3, 17, 8, 29)]
+    slab = DecodeSlab()
+    rows, refs, tokens = [], [], []
+    for p in prompts:
+        cache, logits = _prefilled(engine, p, 8)
+        slab.admit(cache, len(p) + 8)
+        rows.append(cache)
+        refs.append(_Single(engine, p))
+        _check(logits, refs[-1].logits)
+        tokens.append(int(refs[-1].logits.argmax()))
+    assert len(slab) == 4 and all(c.slab is slab for c in rows)
+    for _ in range(5):
+        outs = batched_forward(
+            engine.model, [Row.at(c, [t], r.pos) for c, t, r in zip(rows, tokens, refs, strict=True)]
+        )
+        for i, out in enumerate(outs):
+            _check(out, refs[i].step(tokens[i]))
+            tokens[i] = int(refs[i].logits.argmax())
+    assert [len(c) for c in rows] == [len(p) + 5 for p in prompts]
+
+
+def test_rows_join_and_leave_and_a_prompt_rides_along() -> None:
+    engine = tiny_engine("llama")
+    slab = DecodeSlab()
+    live: dict[int, tuple[RowCache, _Single, int]] = {}
+
+    def join(k: int, n: int) -> None:
+        p = random_ids(n, 70 + k)
+        cache, _ = _prefilled(engine, p, 12)
+        slab.admit(cache, len(p) + 12)
+        ref = _Single(engine, p)
+        live[k] = (cache, ref, int(ref.logits.argmax()))
+
+    for k, n in enumerate((5, 14, 9)):
+        join(k, n)
+    left: RowCache | None = None
+    for step in range(6):
+        if step == 2:  # the first row leaves: the last row moves into its slot
+            left = live.pop(0)[0]
+            slab.release(left)
+        if step == 3:
+            join(3, 21)
+        keys = sorted(live)
+        prompt_cache = RowCache.from_past(None, engine.num_layers, reserve=6)
+        prompt = random_ids(6, 200 + step)
+        rows = [Row.at(live[k][0], [live[k][2]], live[k][1].pos) for k in keys]
+        outs = batched_forward(engine.model, [*rows, Row.at(prompt_cache, prompt, 0)])
+        _check(outs[-1], run_forward(engine.model, torch.tensor(prompt), None, 0).logits[-1])
+        for k, out in zip(keys, outs, strict=False):
+            cache, ref, token = live[k]
+            _check(out, ref.step(token))
+            live[k] = (cache, ref, int(ref.logits.argmax()))
+    assert left is not None and left.slab is None and len(left) == 0
+    assert len(slab) == 3 and sorted(c._slot for c, _, _ in live.values()) == [0, 1, 2]
+
+
+def test_a_subset_of_the_slab_and_a_slab_that_grows() -> None:
+    """Rows read from slots that are not the slab's first ones, and rows that outgrow its capacity."""
+    engine = tiny_engine("qwen2")
+    slab = DecodeSlab()
+    entries = []
+    for k, n in enumerate((4, 7, 11)):
+        p = random_ids(n, 90 + k)
+        cache, _ = _prefilled(engine, p, 1)
+        slab.admit(cache, len(p) + 1)
+        ref = _Single(engine, p)
+        entries.append([cache, ref, int(ref.logits.argmax())])
+    capacity = slab.capacity
+    picked = [entries[2], entries[1]]  # slots 2 and 1, out of order
+    for _ in range(capacity + 3 - 11):  # past the slab's first capacity
+        outs = batched_forward(engine.model, [Row.at(c, [t], r.pos) for c, r, t in picked])
+        for entry, out in zip(picked, outs, strict=True):
+            _check(out, entry[1].step(entry[2]))
+            entry[2] = int(entry[1].logits.argmax())
+    assert slab.capacity > capacity
+    cache, ref, token = entries[0]  # the row left out kept its KV through the growth
+    (out,) = batched_forward(engine.model, [Row.at(cache, [token], ref.pos)])
+    _check(out, ref.step(token))
+
+
+def test_released_with_keep_decodes_on_alone() -> None:
+    engine = tiny_engine("llama")
+    slab = DecodeSlab()
+    caches, refs = [], []
+    for k, n in enumerate((6, 10)):
+        p = random_ids(n, 120 + k)
+        cache, _ = _prefilled(engine, p, 4)
+        slab.admit(cache, len(p) + 4)
+        caches.append(cache)
+        refs.append(_Single(engine, p))
+    slab.release(caches[0], keep=True)
+    assert caches[0].slab is None and len(caches[0]) == 6 and len(slab) == 1
+    token = int(refs[0].logits.argmax())
+    (out,) = batched_forward(engine.model, [Row.at(caches[0], [token], 6)])
+    _check(out, refs[0].step(token))
+    slab.release(caches[1])
+    assert len(slab) == 0 and slab.nbytes == 0
+
+
+def test_a_failing_forward_leaves_slab_rows_as_they_were() -> None:
+    engine = tiny_engine("llama")
+    slab = DecodeSlab()
+    caches = []
+    for k, n in enumerate((5, 8)):
+        cache, _ = _prefilled(engine, random_ids(n, 140 + k), 4)
+        slab.admit(cache, n + 4)
+        caches.append(cache)
+    before = [[(k.clone(), v.clone()) for k, v in c.layers()] for c in caches]
+    bad = Row.at(RowCache.from_past(None, engine.num_layers), [engine.vocab_size + 3], 0)
+    with pytest.raises(IndexError):
+        batched_forward(engine.model, [Row.at(caches[0], [1], 5), Row.at(caches[1], [2], 8), bad])
+    for cache, layers in zip(caches, before, strict=True):
+        assert len(cache) == len(layers[0][0][0, 0])
+        for (k, v), (k0, v0) in zip(cache.layers(), layers, strict=True):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_admit_checks_its_row() -> None:
+    engine = tiny_engine("llama")
+    slab = DecodeSlab()
+    with pytest.raises(InvalidInputError):
+        slab.admit(RowCache.from_past(None, engine.num_layers), 4)  # nothing prefilled yet
+    cache, _ = _prefilled(engine, random_ids(4, 1), 2)
+    slab.admit(cache, 6)
+    with pytest.raises(InvalidInputError):
+        slab.admit(cache, 6)
+    k = cache.layers()[0][0]
+    wide = torch.zeros(1, k.shape[1] + 1, 4, k.shape[3])  # one more head than the slab's rows
+    other = RowCache.from_layers([(wide, wide)] * engine.num_layers)
+    with pytest.raises(InvalidInputError):
+        slab.admit(other, 6)
+    assert len(slab) == 1
+
+
+# --- through the scheduler ----------------------------------------------------------------------------------
+
+#: prompts of different lengths, greedy and sampled, answers of different lengths
+REQUESTS = [
+    (3, dict(max_new_tokens=9)),
+    (19, dict(max_new_tokens=14, temperature=0.9, seed=5)),
+    (8, dict(max_new_tokens=4)),
+    (27, dict(max_new_tokens=11, temperature=1.1, top_p=0.8, seed=2)),
+]
+
+
+def _cases() -> list[tuple[list[int], dict]]:
+    return [(random_ids(n, 300 + n), kw) for n, kw in REQUESTS]
+
+
+def _alone(engine: Engine, prompt: list[int], kw: dict) -> list[int]:
+    return list(engine.generate_ids(None, prompt, 0, SamplingParams(**kw)))
+
+
+def test_scheduler_decodes_in_the_slab_and_matches_alone() -> None:
+    engine = tiny_engine("llama")
+    cases = _cases()
+    expected = [_alone(engine, p, kw) for p, kw in cases]
+    sched = Scheduler(engine)
+    reqs = [sched.submit(None, p, 0, SamplingParams(**kw)) for p, kw in cases]
+    got: list[list[int]] = [[] for _ in reqs]
+    slab_rows, live = 0, set(range(len(reqs)))
+    while live:  # each next() steps the whole batch
+        for i in sorted(live):
+            token = next(reqs[i], None)
+            if token is None:
+                live.discard(i)
+            else:
+                got[i].append(token)
+        slab_rows = max(slab_rows, sched.stats().slab_rows)
+    assert got == expected
+    assert slab_rows == len(cases)  # every decoding request attended in the slab
+    stats = sched.stats()
+    assert stats.slab_rows == 0 and stats.slab_bytes == 0 and stats.kv_bytes == 0
+
+
+def test_a_cancelled_row_leaves_the_slab_and_the_others_go_on() -> None:
+    engine = tiny_engine("qwen2")
+    cases = _cases()
+    expected = [_alone(engine, p, kw) for p, kw in cases]
+    sched = Scheduler(engine)
+    reqs = [sched.submit(None, p, 0, SamplingParams(**kw)) for p, kw in cases]
+    outs: list[list[int]] = [[next(r)] for r in reqs]
+    assert sched.stats().slab_rows == len(cases)
+    reqs[1].close()  # a client that left: the last row moves into its slot
+    assert reqs[1].state == "cancelled" and sched.stats().slab_rows == len(cases) - 1
+    for i in (0, 2, 3):
+        outs[i].extend(reqs[i])
+        assert outs[i] == expected[i]
+    assert sched.stats().slab_bytes == 0
+
+
+@pytest.mark.parametrize("budget", [None, "tight"])
+def test_rows_join_a_running_slab_and_a_tight_budget_keeps_them_out(budget: str | None) -> None:
+    engine = tiny_engine("llama")
+    cases = _cases()
+    expected = [_alone(engine, p, kw) for p, kw in cases]
+    sched = Scheduler(engine)
+    if budget == "tight":  # room for every request's own KV, not for the slab's padded slots
+        need = sum((len(p) + kw["max_new_tokens"]) * sched.bytes_per_token for p, kw in cases)
+        sched = Scheduler(engine, kv_budget_bytes=need)
+    first = sched.submit(None, cases[0][0], 0, SamplingParams(**cases[0][1]))
+    head = [next(first), next(first)]  # decoding before the others arrive
+    rest = [sched.submit(None, p, 0, SamplingParams(**kw)) for p, kw in cases[1:]]
+    outs = [[next(r)] for r in rest]
+    if budget == "tight":
+        assert sched.stats().slab_bytes <= need
+    else:
+        assert sched.stats().slab_rows == len(cases)
+    outs = [head + list(first), *[o + list(r) for o, r in zip(outs, rest, strict=True)]]
+    assert outs == expected
+    assert sched.stats().kv_bytes == 0 and sched.stats().slab_bytes == 0
+
+
+@pytest.mark.slow
+def test_default_model_slab_rows_match_alone(default_engine: Engine) -> None:
+    """The real model: 8 decode rows of different lengths in one slab, each step's log-probs within 1e-4 of
+    the request decoded alone and the greedy tokens identical."""
+    engine = default_engine
+    prompts = [random_ids(n, 500 + n, vocab=engine.vocab_size) for n in (12, 40, 25, 70, 33, 9, 55, 18)]
+    slab = DecodeSlab()
+    rows, refs, tokens = [], [], []
+    for p in prompts:
+        cache, _ = _prefilled(engine, p, 8)
+        slab.admit(cache, len(p) + 8)
+        rows.append(cache)
+        refs.append(_Single(engine, p))
+        tokens.append(int(refs[-1].logits.argmax()))
+    for _ in range(6):
+        outs = batched_forward(
+            engine.model, [Row.at(c, [t], r.pos) for c, t, r in zip(rows, tokens, refs, strict=True)]
+        )
+        for i, out in enumerate(outs):
+            ref = refs[i].step(tokens[i])
+            assert out is not None
+            gap = (torch.log_softmax(out, -1) - torch.log_softmax(ref, -1)).abs().max()
+            assert gap < TOL
+            assert int(out.argmax()) == int(ref.argmax())
+            tokens[i] = int(ref.argmax())
