@@ -28,7 +28,7 @@ they overlap the forward running on the default stream; on a CPU they are no-ops
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,22 +271,48 @@ def pinned_for_upload(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
-def upload(kv: KV, device: torch.device | str, stream: Any = None) -> KV:
-    """``kv`` on ``device``. To CUDA, the copy is issued from pinned memory on ``stream`` (a side stream: it
-    overlaps what the default stream runs) and the current stream is made to wait for it, so the result is
-    safe to use there; to the CPU (or the device ``kv`` is on) nothing is copied."""
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+@functools.cache
+def side_stream(device: torch.device) -> Any:
+    """The CUDA stream uploads to ``device`` are issued on (one per device, beside the default stream)."""
+    return torch.cuda.Stream(device=device)
+
+
+def upload_tensors(
+    tensors: Mapping[str, torch.Tensor], device: torch.device | str, stream: Any = None
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with the floating-point ones on ``device`` (integer ones, such as layer indices or
+    positions, stay where they are: they are read on the host). To CUDA, each copy is issued from pinned
+    memory on ``stream`` (default: :func:`side_stream`), so it overlaps what the default stream is running,
+    and the current stream waits for it before anything there reads the result; elsewhere ``.to``, which is
+    a no-op for a tensor already there (on a CPU nothing is copied or pinned)."""
     dev = torch.device(device)
-    if kv.keys.device == dev:
-        return kv
+    moving = {n: t for n, t in tensors.items() if t.is_floating_point() and not _on(t, dev)}
+    out = dict(tensors)
+    if not moving:
+        return out
     if dev.type != "cuda":
-        return kv.to(dev)
-    stream = stream if stream is not None else torch.cuda.Stream(device=dev)
-    keys, values = pinned_for_upload(kv.keys), pinned_for_upload(kv.values)
+        out.update({n: t.to(dev) for n, t in moving.items()})
+        return out
+    stream = stream if stream is not None else side_stream(dev)
+    pinned = {n: pinned_for_upload(t) for n, t in moving.items()}
     with torch.cuda.stream(stream):
-        k = keys.to(dev, non_blocking=True)
-        v = values.to(dev, non_blocking=True)
+        copies = {n: t.to(dev, non_blocking=True) for n, t in pinned.items()}
     current = torch.cuda.current_stream(dev)
     current.wait_stream(stream)
-    k.record_stream(current)
-    v.record_stream(current)
-    return KV(k, v, kv.positions, kv.deltas)
+    for t in copies.values():
+        t.record_stream(current)  # allocated on the side stream, used and freed on this one
+    out.update(copies)
+    return out
+
+
+def upload(kv: KV, device: torch.device | str, stream: Any = None) -> KV:
+    """``kv`` with its keys and values on ``device`` (:func:`upload_tensors`; positions and deltas stay on
+    the host, where placed KV keeps them); ``kv`` itself when they are there already."""
+    moved = upload_tensors({"keys": kv.keys, "values": kv.values}, device, stream)
+    if moved["keys"] is kv.keys and moved["values"] is kv.values:
+        return kv
+    return KV(moved["keys"], moved["values"], kv.positions, kv.deltas)

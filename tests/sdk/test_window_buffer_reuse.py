@@ -75,8 +75,9 @@ SCRIPT: list[Op] = [
 ]
 
 
-def _run(engine: Engine, policy: str, reuse: bool, config: dict | None = None) -> list[tuple]:
-    win = ContextWindow(engine, policy=policy, config=WindowConfig(reuse_buffer=reuse, budget_tokens=BUDGET, **(config or {})))
+def _run(engine: Engine, policy: str, reuse: bool, options: dict | None = None) -> list[tuple]:
+    config = WindowConfig(reuse_buffer=reuse, budget_tokens=BUDGET, **(options or {}))
+    win = ContextWindow(engine, policy=policy, config=config)
     ids: list[str] = []
     out = []
     for op in SCRIPT:
