@@ -131,9 +131,9 @@ def test_reuse_gives_the_bits_of_a_new_buffer_every_step(
     policy: str, config: dict | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = _engine()
-    fresh = _run(engine, policy, reuse=False, config=config)
+    fresh = _run(engine, policy, reuse=False, options=config)
     counts = _Counts(monkeypatch)
-    kept = _run(engine, policy, reuse=True, config=config)
+    kept = _run(engine, policy, reuse=True, options=config)
     _assert_same(fresh, kept)
     if policy in ("kamera", "blind"):  # they place kept slots by rotation: those rows are reused
         assert counts.reused > 0
@@ -209,3 +209,15 @@ def test_a_view_handed_out_stays_as_it_was() -> None:
     del held
     win.add(random_ids(8, seed=700))
     assert win.assemble().keys.data_ptr() == ptr  # nothing held the old window: same tensors
+
+
+def test_the_bench_compares_the_two_arms() -> None:
+    """``kamera bench window``'s buffer comparison: both traces, both arms, the same log-probs bit for bit."""
+    from kamera_sdk.bench.window import buffer_reuse
+    from tests.conftest import tiny_chat_engine
+
+    out = buffer_reuse(tiny_chat_engine(), quick=True)
+    for name in ("agent", "grow"):
+        assert out[name]["logprobs_equal"] is True
+        assert set(out[name]["place_s_median"]) == {"reuse", "no_reuse"}
+        assert out[name]["place_speedup"] > 0
