@@ -6,11 +6,20 @@ into per-layer tensors ``(L, capacity, H, D)`` (token-major, like :class:`KV`), 
 so far is a view of the first rows (no copy), and a forward takes those rows as its cache's past and
 writes its own tokens into the rows after them (also no copy, :meth:`WindowBuffer.cache`).
 
-Rows already written are never written again by the buffer itself, so every view it hands out stays as it
-was. Rows lent to a forward's cache belong to that cache (a prompt's prefill kept for decoding reads
-them): the buffer lends its free rows to one forward only, and a later forward over the same rows copies
-the past as before. Beyond its capacity the buffer grows by doubling into new tensors (earlier views keep
-the old ones).
+A window keeps its buffer from one step to the next (:meth:`WindowBuffer.restart`): rows written with a
+*key* (the objects their KV is a function of, compared by identity: the position-free KV a slot is
+rotated from, at that row) are remembered, and a later assembly that places the same key at the same row
+takes them as they are (:meth:`WindowBuffer.reuse`) instead of rotating and writing the slot again. A
+write or a forward's lent rows over remembered rows forget them. Placed KV depends only on its key and
+its row, so rows kept this way hold the bits a rewrite would.
+
+Every view the buffer hands out stays as it was: before a new assembly writes over rows, the buffer
+checks whether anything outside it still holds a view of its tensors (a caller's assembled window, a
+prompt's prefill kept for decoding, a policy's cached parts); if so it continues in new tensors (copy on
+write: the remembered rows copied once) and the holders keep the old ones. Rows lent to a forward's cache
+belong to that cache: within one assembly the buffer lends its free rows to one forward only, and a later
+forward over the same rows copies the past as before. Beyond its capacity the buffer grows by doubling
+into new tensors (earlier views keep the old ones).
 
 Host-to-device copies of loaded entries (:func:`upload`) go through pinned memory on a side CUDA stream, so
 they overlap the forward running on the default stream; on a CPU they are no-ops.
@@ -18,6 +27,8 @@ they overlap the forward running on the default stream; on a CPU they are no-ops
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +45,43 @@ class BufferedKV(KV):
     whole past runs on the buffer itself (``runner.past_cache``)."""
 
     buffer: WindowBuffer | None = None
+
+
+#: What a row range holds, as the objects its placed KV is a function of (compared by identity), with a
+#: tag naming the function: ``("free", kv)`` is ``kv`` rotated to the rows' positions.
+Key = tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class _Held:
+    """Rows ``[start, stop)`` written from ``keys`` (any of them names their content); ``note`` is what the
+    writer asked to get back when the rows are reused."""
+
+    stop: int
+    keys: tuple[Key, ...]
+    note: Any
+
+
+def _same(a: Key, b: Key) -> bool:
+    """Keys name the same content: the same objects, and equal ints and tags."""
+    return len(a) == len(b) and all(
+        x is y or (type(x) is type(y) and isinstance(x, int | str) and x == y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _views_of(t: torch.Tensor) -> int | None:
+    """How many tensors other than ``t`` share its storage (views), or None where torch cannot tell."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(t.untyped_storage()._cdata)) - _own_refs()
+
+
+@functools.cache
+def _own_refs() -> int:
+    """The storage references of a tensor no one else views (itself and the storage object counting it)."""
+    t = torch.empty(1)
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 class WindowBuffer:
@@ -59,7 +107,11 @@ class WindowBuffer:
         self.deltas: torch.Tensor | None = None  # (capacity, 3), made when a part with M-RoPE offsets arrives
         self.filled = 0  # rows holding the window's tokens
         self._lent = 0  # rows [filled, _lent) belong to a forward's cache
+        self._held: dict[int, _Held] = {}  # start row -> rows written from a key, still holding it
         self.grown = 0  # times the buffer outgrew its capacity
+        self.detached = 0  # times a restart moved to new tensors because views of the old ones were held
+        self.rows_written = 0  # rows written (every assembly so far)
+        self.rows_reused = 0  # rows a later assembly took as they were
 
     @classmethod
     def like(cls, kv: KV, capacity: int, *, device: torch.device | str | None = None) -> WindowBuffer:
@@ -94,23 +146,62 @@ class WindowBuffer:
         copied once. Views handed out earlier keep the old tensors, unchanged."""
         if rows <= self.capacity:
             return
-        cap = max(rows, 2 * self.capacity)
-        keys = self.keys.new_empty(self.keys.shape[0], cap, *self.keys.shape[2:])
-        values = self.values.new_empty(self.values.shape[0], cap, *self.values.shape[2:])
-        keys[:, : self.filled].copy_(self.keys[:, : self.filled])
-        values[:, : self.filled].copy_(self.values[:, : self.filled])
-        positions = self.positions.new_zeros(cap)
-        positions[: self.filled] = self.positions[: self.filled]
-        if self.deltas is not None:
-            deltas = self.deltas.new_zeros(cap, 3)
-            deltas[: self.filled] = self.deltas[: self.filled]
-            self.deltas = deltas
-        self.keys, self.values, self.positions = keys, values, positions
-        self._lent = self.filled  # the old rows lent stay with the old tensors
+        self._move(max(rows, 2 * self.capacity))
         self.grown += 1
 
-    def write(self, start: int, kv: KV) -> KV:
+    def _move(self, cap: int) -> None:
+        """Continue in new tensors of ``cap`` rows: the filled rows and the remembered ones copied once;
+        the old tensors stay with whatever views of them are held."""
+        top = max([self.filled, *(h.stop for h in self._held.values())])
+        with torch.inference_mode(False):  # (a forward grows it in inference mode: its rows are written after)
+            keys = self.keys.new_empty(self.keys.shape[0], cap, *self.keys.shape[2:])
+            values = self.values.new_empty(self.values.shape[0], cap, *self.values.shape[2:])
+            keys[:, :top].copy_(self.keys[:, :top])
+            values[:, :top].copy_(self.values[:, :top])
+            positions = self.positions.new_zeros(cap)
+            positions[:top] = self.positions[:top]
+            if self.deltas is not None:
+                deltas = self.deltas.new_zeros(cap, 3)
+                deltas[:top] = self.deltas[:top]
+                self.deltas = deltas
+        self.keys, self.values, self.positions = keys, values, positions
+        self._lent = self.filled  # the old rows lent stay with the old tensors
+
+    def _shared(self) -> bool:
+        """Whether anything outside the buffer holds a view of its tensors (True where torch cannot tell)."""
+        tensors = [self.keys, self.values, self.positions] + ([] if self.deltas is None else [self.deltas])
+        views = [_views_of(t) for t in tensors]
+        return any(v is None or v > 0 for v in views)
+
+    def restart(self) -> None:
+        """Start the next assembly at row 0, keeping the remembered rows for :meth:`reuse`. Views handed out
+        before stay as they were: when any is still held, the buffer moves to new tensors first."""
+        if self._shared():
+            self._move(self.capacity)
+            self.detached += 1
+        self.filled = 0
+        self._lent = 0
+
+    def reuse(self, keys: Sequence[Key]) -> tuple[KV, Any] | None:
+        """The rows at ``filled`` as a view, and the note they were written with, when they were written from
+        one of ``keys`` and nothing has written over them since (``filled`` then moves past them); else None."""
+        held = self._held.get(self.filled)
+        if held is None or not any(_same(a, b) for a in keys for b in held.keys):
+            return None
+        start, self.filled = self.filled, held.stop
+        self._lent = max(self._lent, self.filled)
+        self.rows_reused += held.stop - start
+        return self._rows(start, held.stop), held.note
+
+    def _forget(self, start: int, stop: int) -> None:
+        """Rows ``[start, stop)`` are written over: remembered rows that overlap them no longer hold their key."""
+        for at in [a for a, h in self._held.items() if a < stop and h.stop > start]:
+            del self._held[at]
+
+    def write(self, start: int, kv: KV, *, keys: Sequence[Key] = (), note: Any = None) -> KV:
         """Write a placed ``kv`` at rows ``[start, start + len(kv))`` in place and return those rows as a view.
+        With ``keys`` (what ``kv`` is a function of, see :data:`Key`), the rows are remembered for
+        :meth:`reuse`, which hands back ``note``.
 
         ``start`` is at most ``filled`` (no holes) and not below it unless the caller owns the rows it
         rewrites (views of them change); the window's assembly only appends (:meth:`append`)."""
@@ -119,6 +210,7 @@ class WindowBuffer:
             raise InvalidInputError(f"write at row {start}: the buffer is filled up to row {self.filled}")
         stop = start + len(kv)
         self.reserve(stop)
+        self._forget(start, stop)
         self.keys[:, start:stop].copy_(kv.keys, non_blocking=True)
         self.values[:, start:stop].copy_(kv.values, non_blocking=True)
         assert kv.positions is not None
@@ -129,11 +221,14 @@ class WindowBuffer:
             self.deltas[start:stop] = 0 if kv.deltas is None else kv.deltas.to(self.deltas.device)
         self.filled = max(self.filled, stop)
         self._lent = max(self._lent, self.filled)
+        self.rows_written += stop - start
+        if keys:
+            self._held[start] = _Held(stop, tuple(keys), note)
         return self._rows(start, stop)
 
-    def append(self, kv: KV) -> KV:
-        """Write ``kv`` after the rows filled so far; the view of its rows."""
-        return self.write(self.filled, kv)
+    def append(self, kv: KV, *, keys: Sequence[Key] = (), note: Any = None) -> KV:
+        """Write ``kv`` after the rows filled so far (remembered under ``keys``); the view of its rows."""
+        return self.write(self.filled, kv, keys=keys, note=note)
 
     def _rows(self, start: int, stop: int) -> KV:
         deltas = None if self.deltas is None else self.deltas[start:stop]
@@ -159,6 +254,7 @@ class WindowBuffer:
             return None
         self.reserve(n + reserve)
         rows = n + reserve
+        self._forget(n, rows)  # the forward writes its tokens there
         keys = [self.keys[i, :rows].permute(1, 0, 2)[None] for i in range(self.keys.shape[0])]
         values = [self.values[i, :rows].permute(1, 0, 2)[None] for i in range(self.values.shape[0])]
         cache = reserved_cache(keys, values, n, config)
@@ -175,22 +271,48 @@ def pinned_for_upload(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
-def upload(kv: KV, device: torch.device | str, stream: Any = None) -> KV:
-    """``kv`` on ``device``. To CUDA, the copy is issued from pinned memory on ``stream`` (a side stream: it
-    overlaps what the default stream runs) and the current stream is made to wait for it, so the result is
-    safe to use there; to the CPU (or the device ``kv`` is on) nothing is copied."""
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+@functools.cache
+def side_stream(device: torch.device) -> Any:
+    """The CUDA stream uploads to ``device`` are issued on (one per device, beside the default stream)."""
+    return torch.cuda.Stream(device=device)
+
+
+def upload_tensors(
+    tensors: Mapping[str, torch.Tensor], device: torch.device | str, stream: Any = None
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with the floating-point ones on ``device`` (integer ones, such as layer indices or
+    positions, stay where they are: they are read on the host). To CUDA, each copy is issued from pinned
+    memory on ``stream`` (default: :func:`side_stream`), so it overlaps what the default stream is running,
+    and the current stream waits for it before anything there reads the result; elsewhere ``.to``, which is
+    a no-op for a tensor already there (on a CPU nothing is copied or pinned)."""
     dev = torch.device(device)
-    if kv.keys.device == dev:
-        return kv
+    moving = {n: t for n, t in tensors.items() if t.is_floating_point() and not _on(t, dev)}
+    out = dict(tensors)
+    if not moving:
+        return out
     if dev.type != "cuda":
-        return kv.to(dev)
-    stream = stream if stream is not None else torch.cuda.Stream(device=dev)
-    keys, values = pinned_for_upload(kv.keys), pinned_for_upload(kv.values)
+        out.update({n: t.to(dev) for n, t in moving.items()})
+        return out
+    stream = stream if stream is not None else side_stream(dev)
+    pinned = {n: pinned_for_upload(t) for n, t in moving.items()}
     with torch.cuda.stream(stream):
-        k = keys.to(dev, non_blocking=True)
-        v = values.to(dev, non_blocking=True)
+        copies = {n: t.to(dev, non_blocking=True) for n, t in pinned.items()}
     current = torch.cuda.current_stream(dev)
     current.wait_stream(stream)
-    k.record_stream(current)
-    v.record_stream(current)
-    return KV(k, v, kv.positions, kv.deltas)
+    for t in copies.values():
+        t.record_stream(current)  # allocated on the side stream, used and freed on this one
+    out.update(copies)
+    return out
+
+
+def upload(kv: KV, device: torch.device | str, stream: Any = None) -> KV:
+    """``kv`` with its keys and values on ``device`` (:func:`upload_tensors`; positions and deltas stay on
+    the host, where placed KV keeps them); ``kv`` itself when they are there already."""
+    moved = upload_tensors({"keys": kv.keys, "values": kv.values}, device, stream)
+    if moved["keys"] is kv.keys and moved["values"] is kv.values:
+        return kv
+    return KV(moved["keys"], moved["values"], kv.positions, kv.deltas)

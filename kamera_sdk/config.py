@@ -54,6 +54,11 @@ class WindowConfig(Options):
     survivor_rank: int = Field(64, ge=1, description="rank of survivor removal patches (survivors='patch')")
     orbit_exhaustive_max: int = Field(4, ge=1, description="use all orderings up to this many predecessors")
     orbit_samples: int = Field(6, ge=1, description="orderings sampled beyond orbit_exhaustive_max")
+    reuse_buffer: bool = Field(
+        True,
+        description="keep the window's KV buffer from one assembly to the next and rewrite only the rows whose "
+        "placed KV changed (False: a new buffer, every slot placed again, at each assembly)",
+    )
     envelope: EnvelopeConfig = Field(default_factory=EnvelopeConfig)
     seed: int = 0
 

@@ -24,7 +24,7 @@ import torch
 from kamera_engine import KV, Engine
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
-from kamera_engine.window_buffer import WindowBuffer
+from kamera_engine.window_buffer import Key, WindowBuffer
 
 from .chunks import Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch
 from .config import WindowConfig
@@ -78,6 +78,9 @@ class Executor:
         #: pending patches whose slot was served another way this time (it led, or was re-prefilled): the
         #: KV they are formed from is kept here until the window forms them, after the answer
         self.orphans: list[tuple[Chunk, KV, PendingPatch]] = []
+        #: the branch's window buffer, kept from one assembly to the next (``config.reuse_buffer``); a fork
+        #: has an executor, and so a buffer, of its own
+        self.buffer: WindowBuffer | None = None
 
     def canonical(self, chunk: Chunk) -> KV:
         """The chunk's canonical: from the table, else from the store (``canonicals_reused``), else one
@@ -122,17 +125,20 @@ class Executor:
         prompt_result: ForwardResult | None = None
         if self.persistence is not None:  # loads overlap with the forwards below
             self.persistence.prefetch([sp.chunk for sp in plan.slots if sp.source in _FROM_CANONICAL])
-        # the window is written once into a buffer sized for it (and the prompt): forwards run on top of it
-        cap = max(plan.end, plan.anchor_len + (self.config.budget_tokens or 0)) + len(prompt or [])
-        buffer = WindowBuffer.like(e.anchor_kv, cap, device=e.device)
-        buffer.append(e.anchor_kv)
+        # the window is written into a buffer sized for it (and the prompt): forwards run on top of it
+        t0 = time.perf_counter()
+        buffer = self._buffer_for(plan, prompt)
+        placing = [0.0]  # seconds spent placing slots (rotations, patches, writes), forwards excluded
         placed: list[KV] = []
         new_slots: list[Slot] = []
         carried: dict[ChunkId, frozenset] = {}  # what each slot served so far carries (``Slot.absorbed``)
+        if buffer.reuse([("placed", e.anchor_kv)]) is None:
+            buffer.append(e.anchor_kv, keys=[("placed", e.anchor_kv)])
+        placing[0] += time.perf_counter() - t0
 
-        def add(sp: SlotPlan, slot: Slot, kv: KV, *, formed: bool, free: KV | None = None) -> None:
+        def add(sp: SlotPlan, slot: Slot, kv: KV, view: KV, *, formed: bool, free: KV | None = None) -> None:
+            placed.append(view)
             new = self._after(sp, slot, kv, keep_slot_kv, graph, step, formed=formed, prior=carried, free=free)
-            placed.append(buffer.append(kv))
             new_slots.append(new)
             carried[new.chunk_id] = new.absorbed
 
@@ -147,11 +153,16 @@ class Executor:
                 tail = prompt if fuse and j == len(plan.slots) else None
                 kvs, prompt_result = self._forward_run(run, [buffer.view()], tail)
                 for k, kv in enumerate(kvs):
-                    add(run[k], slots[i + k], kv, formed=True)
+                    t = time.perf_counter()
+                    view = buffer.append(kv)  # (rows the forward wrote already: one copy, no rotation)
+                    placing[0] += time.perf_counter() - t
+                    add(run[k], slots[i + k], kv, view, formed=True)
                 i = j
                 continue
-            kv, free = self._serve(sp, slots[i])
-            add(sp, slots[i], kv, formed=False, free=free)
+            t = time.perf_counter()
+            view, free = self._place(buffer, sp, slots[i], keep_slot_kv)
+            placing[0] += time.perf_counter() - t
+            add(sp, slots[i], view, view, formed=False, free=free)
             i += 1
         if plan.recompute is not None and any(sp.source is Source.SELECTIVE for sp in plan.slots):
             assembled, placed = self._selective(plan, buffer.view())
@@ -160,7 +171,52 @@ class Executor:
             parts = [buffer.view()]
         self.stats.window_kv_bytes = sum(p.nbytes for p in parts)
         self.stats.window_tokens = sum(len(p) for p in parts)
+        self.stats.time("place", placing[0])
         return Execution(parts, placed, new_slots, prompt_result)
+
+    def _buffer_for(self, plan: Plan, prompt: list[int] | None) -> WindowBuffer:
+        """The buffer this assembly writes into: the branch's own from the last assembly (its rows kept for
+        reuse), or a new one sized for the window's budget and the prompt."""
+        e = self.engine
+        cap = max(plan.end, plan.anchor_len + (self.config.budget_tokens or 0)) + len(prompt or [])
+        buffer = self.buffer
+        fits = buffer is not None and buffer.device == e.device and buffer.keys.dtype == e.anchor_kv.keys.dtype
+        if buffer is None or not fits or not self.config.reuse_buffer:
+            buffer = WindowBuffer.like(e.anchor_kv, cap, device=e.device)
+            self.buffer = buffer if self.config.reuse_buffer else None
+            return buffer
+        buffer.restart()
+        buffer.reserve(cap)
+        return buffer
+
+    def _place(self, buffer: WindowBuffer, sp: SlotPlan, slot: Slot, keep_slot_kv: bool) -> tuple[KV, KV | None]:
+        """Place a non-forward slot at the buffer's next rows: taken as they are when they already hold what
+        serving it would write (the same position-free KV at the same position), else served and written.
+        Returns the rows' view and the slot's position-free KV (see ``_serve``)."""
+        keys = self._keys(sp, slot)
+        got = buffer.reuse(keys) if keys else None
+        if got is not None:
+            return got
+        kv, free = self._serve(sp, slot)
+        if sp.source is Source.PATCH and keep_slot_kv and free is not None:
+            # the slot keeps the reconstructed KV: kept next time, it is placed by the same rotation
+            keys = [*keys, ("free", free, sp.start)]
+        held = None if sp.source is Source.PATCH and not keep_slot_kv else free  # no slot keeps that reconstruction
+        return buffer.append(kv, keys=keys, note=held), free
+
+    @staticmethod
+    def _keys(sp: SlotPlan, slot: Slot) -> list[Key]:
+        """What a non-forward slot's placed KV is a function of, known before serving it (see ``_serve``):
+        its position-free KV (a kept slot's, the resident canonical) or the canonical and patch it is
+        reconstructed from, and its position. A prefix source's KV (a view of earlier rows) has none."""
+        canonical = sp.chunk.canonical
+        if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None:
+            return [("free", slot.kv, sp.start)]
+        if sp.source is Source.PATCH and sp.patch is not None and canonical is not None:
+            return [("patch", canonical, sp.patch.patch, sp.start)]
+        if sp.source in (Source.LEAD, Source.BLIND, Source.SELECTIVE) and canonical is not None:
+            return [("free", canonical, sp.start)]
+        return []
 
     def _serve(self, sp: SlotPlan, slot: Slot) -> tuple[KV, KV | None]:
         """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot."""

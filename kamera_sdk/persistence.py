@@ -16,6 +16,7 @@ import logging
 from concurrent.futures import Future
 
 from kamera_engine import KV, Engine, Patch
+from kamera_engine.window_buffer import upload, upload_tensors
 
 from .chunks import VISION_KINDS, Chunk, PatchKind, StoredPatch, antecedent_signature, sequence_digest
 from .stats import WindowStats
@@ -37,6 +38,7 @@ class Persistence:
         self.canonical_variant = f"anchor={anchor};dtype={str(engine.dtype).replace('torch.', '')}"
         self.anchor = anchor
         self.stats = stats
+        self.device = engine.device  # loaded entries are uploaded there (pinned memory, a side stream on CUDA)
         self._prefetched: dict[str, Future[StoreEntry | None]] = {}
 
     def canonical_key(self, chunk: Chunk) -> EntryKey:
@@ -58,7 +60,7 @@ class Persistence:
             self._refuse(f"canonical of {len(kv)} tokens for a chunk of {len(chunk)}", chunk, entry.key)
             return None
         self.stats.store_loads += 1
-        return kv
+        return upload(kv, self.device)
 
     def _refuse(self, why: str, chunk: Chunk, key: EntryKey) -> None:
         """An entry that does not fit the chunk is never used; it is deleted so a good copy can be written."""
@@ -67,7 +69,8 @@ class Persistence:
         self.store.delete(key)
 
     def save_canonical(self, chunk: Chunk, kv: KV) -> None:
-        tensors = {"keys": kv.keys.contiguous(), "values": kv.values.contiguous()}
+        # the store keeps host tensors (a no-op on a CPU)
+        tensors = {"keys": kv.keys.cpu().contiguous(), "values": kv.values.cpu().contiguous()}
         if kv.deltas is not None:  # M-RoPE vision tokens: placing them needs their axis offsets
             tensors["deltas"] = kv.deltas.cpu().contiguous()
         self.store.put(StoreEntry(self.canonical_key(chunk), tensors, {"tokens": str(len(chunk))}))
@@ -90,7 +93,8 @@ class Persistence:
             "orderings": str(stored.orderings),
             "absorbed": json.dumps(sorted(stored.carried)),
         }
-        self.store.put(StoreEntry(self._patch_key(chunk, variant), stored.patch.tensors(), meta))
+        tensors = {n: t.cpu() for n, t in stored.patch.tensors().items()}
+        self.store.put(StoreEntry(self._patch_key(chunk, variant), tensors, meta))
 
     def _patch_keys(self, chunk: Chunk) -> list[EntryKey]:
         """The stored patch entries of ``chunk`` formed after this engine's anchor, in this chunk's frame
@@ -109,7 +113,7 @@ class Persistence:
             if entry.meta["kind"] not in {k.value for k in PatchKind}:
                 self._refuse(f"unknown patch kind {entry.meta['kind']!r}", chunk, key)
                 continue
-            patch = Patch.from_tensors(entry.tensors)
+            patch = Patch.from_tensors(upload_tensors(entry.tensors, self.device))
             if patch.num_tokens != len(chunk):
                 self._refuse(f"patch of {patch.num_tokens} tokens for a chunk of {len(chunk)}", chunk, key)
                 continue

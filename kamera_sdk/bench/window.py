@@ -16,6 +16,7 @@ step's new or recalled pages prefilled over the exact window in front of them, a
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,6 +126,65 @@ def _question_for(live: list[Page], questions: list[Question], rng: random.Rando
     scored = sorted(questions, key=lambda q: -len(ids & set(q.pages)))
     best = [q for q in scored if len(ids & set(q.pages)) == len(ids & set(scored[0].pages))]
     return rng.choice(best).question
+
+
+def grow_trace(steps: int = 12, seed: int = 0) -> list[Step]:
+    """A window that only grows: one new page per step, none leaving, a question after each (what reuse of
+    the window's buffer serves best: every slot already there keeps its rows)."""
+    corpus = load_corpus()
+    rng = random.Random(seed)
+    live: list[Page] = []
+    trace = []
+    for i, page in zip(range(steps), corpus.pages, strict=False):
+        live.append(page)
+        trace.append(Step(i, [("add", page)], _question_for(live, corpus.trace_questions, rng)))
+    return trace
+
+
+def buffer_reuse(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+    """Assembly time per step with the window's KV buffer kept between steps (only the rows whose placed KV
+    changed are written) against a new buffer every step (``WindowConfig(reuse_buffer=False)``: every slot
+    rotated and written again), side by side in one run, policy ``kamera``, on two traces: the agent trace
+    (every step slides, so every survivor moves and is rewritten: little to reuse) and a growing window.
+    ``place_s_mean`` / ``place_s_median``: seconds per step placing slots into the buffer (rotations, patch
+    GEMMs, writes; forwards excluded); ``place_speedup``: no_reuse over reuse, of the medians (a busy
+    machine's outliers left out); ``ttft_s_mean``: the whole first token. The two arms' next-token
+    log-probs are compared bit for bit (``logprobs_equal``)."""
+    traces = {"agent": build_trace(steps=8 if quick else 24), "grow": grow_trace(steps=6 if quick else 12)}
+    out: dict[str, Any] = {}
+    for name, trace in traces.items():
+        arms = {arm: WindowConfig(reuse_buffer=arm == "reuse") for arm in ("reuse", "no_reuse")}
+        wins = {arm: ContextWindow(engine, policy="kamera", config=config) for arm, config in arms.items()}
+        ids: dict[str, dict[str, str]] = {arm: {} for arm in arms}
+        place: dict[str, list[float]] = {arm: [] for arm in arms}
+        ttft: dict[str, list[float]] = {arm: [] for arm in arms}
+        equal = True
+        for step in track(trace, f"buffer reuse ({name})"):
+            lps = {}
+            order = list(arms) if step.index % 2 == 0 else list(reversed(arms))  # neither arm always first
+            for arm in order:
+                win = wins[arm]
+                apply_step(win, step, ids[arm])
+                before = _place_seconds(win)
+                t0 = time.perf_counter()
+                lps[arm] = win.next_token_logprobs(step.question)
+                ttft[arm].append(time.perf_counter() - t0)
+                place[arm].append(_place_seconds(win) - before)
+            equal = equal and torch.equal(lps["reuse"], lps["no_reuse"])
+        out[name] = {
+            "steps": len(trace),
+            "place_s_mean": {arm: mean(place[arm]) for arm in arms},
+            "place_s_median": {arm: statistics.median(place[arm]) for arm in arms},
+            "ttft_s_mean": {arm: mean(ttft[arm]) for arm in arms},
+            "place_speedup": statistics.median(place["no_reuse"]) / max(statistics.median(place["reuse"]), 1e-12),
+            "logprobs_equal": equal,
+        }
+    return out
+
+
+def _place_seconds(win: ContextWindow) -> float:
+    timing = win.stats().timings.get("place")
+    return 0.0 if timing is None else timing.total_s
 
 
 def known_ahead(step: Step) -> int:
@@ -342,5 +402,6 @@ def run(engine: Engine, *, quick: bool = False, act_seconds: float | None = None
         result["act_seconds"] = act_seconds
     else:
         result = run_trace(engine, trace, (*POLICIES, *ARMS))
+        result["buffer_reuse"] = buffer_reuse(engine, quick=quick)
     result["trace"] = {"steps": steps, "window_chunks": 4, "ops": [s.describe() for s in trace]}
     return result
