@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kamera_engine import Engine, Patch, rotate_keys
+from kamera_engine import KV, Engine, Patch, rotate_keys
 from kamera_engine.adapters.base import capture_pre_rope_keys, reference_rotate
+from kamera_engine.errors import InvalidInputError
 from kamera_engine.operator import apply_patch
+from kamera_engine.rope import rotate_like_model
 from tests.conftest import ANCHOR, TINY_CONFIGS, random_ids, tiny_model
 
 HALF = {torch.bfloat16: 7, torch.float16: 10}  # explicit mantissa bits
@@ -117,3 +119,100 @@ def test_float32_factors_keep_the_error_floor_of_a_bf16_kv() -> None:
     assert f32 < bf16
     low32, low16 = eta(2, torch.float32), eta(2, torch.bfloat16)
     assert abs(low32 - low16) <= 0.01 * low32
+
+
+# --- rotation="model": the model's own RoPE arithmetic in the KV dtype (docs/gpu.md, "bf16 and fp16") -------------
+MODEL_ROPE = sorted(set(TINY_CONFIGS) - {"llama-yarn"})  # yarn scales cos/sin inside the model: not a pure rotation
+TARGETS_IN_WINDOW = [37, 1000, 4000]  # prefills at the target stay inside mistral's 4096-token sliding window
+
+
+def pre_rope_rows(captured: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """Each layer's captured pre-RoPE keys (1, H, T, D) as the last ``n`` token rows (n, H, D)."""
+    return [k[0, :, -n:, :].transpose(0, 1) for k in captured]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", MODEL_ROPE)
+def test_model_rotation_writes_the_bits_of_a_prefill(name: str, dtype: torch.dtype) -> None:
+    """``rotate_like_model`` on a forward's pre-RoPE keys is bit for bit the model's own RoPE at the target:
+    0 ulps at every layer against ``apply_rotary_pos_emb`` on those keys, and 0 ulps at layer 0 against the
+    keys a prefill of the chunk alone at the target writes (its layer-0 pre-RoPE keys are the same bits).
+    Deeper layers of that prefill are not asserted: their pre-RoPE keys already differ from the canonical
+    forward's by rounding (measured 2.5-6 ulps of the row in bf16, ``scripts/bf16_ulp.py``)."""
+    engine = half_engine(name, dtype) if dtype in HALF else tiny_engine_of(name)
+    ids = random_ids(24, seed=2)
+    _ = engine.anchor_kv
+    with capture_pre_rope_keys(engine.model) as captured:
+        engine.canonical(ids, anchored=False)
+    pre = pre_rope_rows(captured, len(ids))
+    assert len(pre) == engine.num_layers
+    for target in TARGETS_IN_WINDOW:
+        pos = torch.arange(target, target + len(ids))
+        prefill = engine.forward(ids, None, target, logits="none").kv.keys
+        for layer, k_pre in enumerate(pre):
+            ours = rotate_like_model(k_pre, engine.rope, target)
+            theirs = reference_rotate(engine.model, engine.adapter, k_pre.transpose(0, 1)[None], pos)[0]
+            assert torch.equal(ours, theirs.transpose(0, 1)), f"layer {layer} @ {target}"
+        r = engine.rope.rotary_dim  # phi hands RoPE its rotary band only: compare the band
+        got = rotate_like_model(pre[0], engine.rope, target)[..., :r]
+        assert torch.equal(got, prefill[0][..., :r]), f"layer 0 @ {target}"
+
+
+def tiny_engine_of(name: str) -> Engine:
+    return Engine(tiny_model(name), None, name=f"tiny-{name}", anchor_ids=ANCHOR)
+
+
+@pytest.mark.parametrize("name", MODEL_ROPE)
+def test_bf16_relocated_canonical_against_a_bf16_prefill_at_layer_0(name: str) -> None:
+    """A stored bf16 canonical relocated to the target, against the layer-0 keys a bf16 prefill of the chunk
+    alone writes there (same pre-RoPE bits): within 3 ulps of the row, both rotations, and ``"model"`` is the
+    bits of the prefill on most features. Not 1 ulp: the canonical is un-rotated from its own prefill's
+    bf16 RoPE, which is up to ~2 ulps off the exact rotation and cannot be undone (measured max 2-3 ulps,
+    mean 0.17-0.33 exact, 0.08-0.22 model; docs/gpu.md). ``test_model_rotation_writes_the_bits_of_a_prefill``
+    is the 0-ulp figure on a canonical holding the pre-RoPE keys."""
+    engine = half_engine(name, torch.bfloat16)
+    ids = random_ids(24, seed=2)
+    can = engine.canonical(ids, anchored=False)
+    r = engine.rope.rotary_dim
+    for target in TARGETS_IN_WINDOW:
+        want = engine.forward(ids, None, target, logits="none").kv.keys[0][..., :r]
+        unit = ulp(want.double().abs().amax(-1, keepdim=True), torch.bfloat16)
+        equal = {}
+        for rotation in ("exact", "model"):
+            got = engine.apply(can, None, target, rotation=rotation).keys[0][..., :r]
+            worst = ((got.double() - want.double()).abs() / unit).max().item()
+            assert worst <= 3.0, f"{rotation} @ {target}: {worst:.2f} ulp of the row"
+            equal[rotation] = (got == want).double().mean().item()
+        assert equal["model"] > 0.6 and equal["model"] > equal["exact"], equal
+
+
+@pytest.mark.parametrize("dtype", list(HALF), ids=["bf16", "fp16"])
+def test_model_rotation_of_a_patched_canonical(dtype: torch.dtype) -> None:
+    """``rotation="model"``: ``canonical + U V^T`` rounded once to the KV dtype (the pre-RoPE key), then the
+    model's rotation; values as ``reconstruct`` gives them; the same bits into a preallocated ``out``."""
+    engine = half_engine("qwen2", dtype)
+    a, b = random_ids(20, seed=1), random_ids(16, seed=2)
+    can = engine.canonical(b)
+    ids = ANCHOR + a + b
+    patch = engine.form_patch(engine.forward(ids, None, 0, logits="none").kv.slice(len(ids) - len(b), len(ids)), can, 4)
+    free = engine.reconstruct(can, patch)
+    got = engine.apply(can, patch, 300, rotation="model")
+    assert torch.equal(got.keys, rotate_like_model(free.keys, engine.rope, 300))
+    assert torch.equal(got.values, free.values)
+    out = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+    into = apply_patch(can, patch, engine.rope, 300, out=out, rotation="model")
+    assert into.keys.data_ptr() == out.keys.data_ptr()
+    assert torch.equal(into.keys, got.keys) and torch.equal(into.values, got.values)
+
+
+def test_rotation_setting() -> None:
+    """The engine's ``rotation`` is what ``apply`` uses unless told otherwise; an unknown one is refused."""
+    engine = half_engine("llama", torch.bfloat16)
+    can = engine.canonical(random_ids(12, seed=3))
+    assert engine.rotation == "exact"
+    exact, model = engine.apply(can, None, 999), engine.apply(can, None, 999, rotation="model")
+    assert not torch.equal(exact.keys, model.keys)
+    engine.rotation = "model"
+    assert torch.equal(engine.apply(can, None, 999).keys, model.keys)
+    with pytest.raises(InvalidInputError, match="rotation"):
+        engine.apply(can, None, 999, rotation="bf16")
