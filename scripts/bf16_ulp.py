@@ -11,8 +11,10 @@ reports the distance between the keys that prefill writes and:
   that stored them bit for bit), which isolates the rotation from the canonical's own rounding;
 
 plus ``pre_rope``: the distance between the two forwards' pre-RoPE keys (the noise floor of deeper layers).
-Distances are over the rotary band, as ``ulps`` (how many representable values of the dtype lie between
-two keys: 0 is bit-equal) and ``row_ulps`` (in ulps of the largest magnitude of the key row, per head).
+Distances are over the rotary band: ``max_row_ulps`` / ``mean_row_ulps`` in ulps of the dtype at the largest
+magnitude of the key row (per token and head: a rotation's rounding scales with the pair it mixes, so a
+feature near zero is not judged by its own tiny ulp), and ``bit_equal``, the fraction of features with the
+same bits. ``summary`` gives layer 0 and the worst / mean over deeper layers.
 
 Run from the repository root:
 
@@ -58,20 +60,13 @@ def row_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got.double() - want.double()).abs() / unit
 
 
-def summary(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, float]:
-    """Distances of ``got`` from ``want`` (T, H, r); ``rows`` (T, H) bool: only those key rows count."""
-    if rows is not None:
-        got, want = got[rows], want[rows]
-    if got.numel() == 0:
-        return {}
-    d = ulps(got, want).double()
+def summary(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """Distances of ``got`` from ``want`` (T, H, r), in ulps of the dtype."""
     row = row_ulps(got, want)
     return {
-        "max_ulps": int(d.max().item()),
-        "mean_ulps": round(d.mean().item(), 4),
-        "bit_equal": round((d == 0).double().mean().item(), 4),
         "max_row_ulps": round(row.max().item(), 3),
         "mean_row_ulps": round(row.mean().item(), 4),
+        "bit_equal": round((ulps(got, want) == 0).double().mean().item(), 4),
     }
 
 
@@ -110,8 +105,6 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
                 "exact": summary(exact[layer][..., :r], want),
                 "model": summary(model[layer][..., :r], want),
                 "model_on_pre_rope": summary(rotate_like_model(pre_can[layer], spec, target)[..., :r], want),
-                "exact_where_pre_rope_equal": summary(exact[layer][..., :r], want, same),
-                "model_where_pre_rope_equal": summary(model[layer][..., :r], want, same),
                 "pre_rope": summary(pre_can[layer][..., :r], pre_tgt[layer][..., :r]),
                 "prefill_vs_exact_rotation": summary(
                     rotate_keys(pre_tgt[layer].double(), spec, target).to(want.dtype)[..., :r], want
@@ -120,8 +113,20 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
             rows["pre_rope"]["rows_equal"] = round(same.double().mean().item(), 4)
             for key, row in rows.items():
                 old = layers[layer].get(key)
-                layers[layer][key] = row if not old else _worst(old, row) if row else old
+                layers[layer][key] = row if old is None else _worst(old, row)
+    deep = layers[1:]
+    overview = {
+        key: {
+            "layer0_max_row_ulps": layers[0][key]["max_row_ulps"],
+            "layer0_mean_row_ulps": layers[0][key]["mean_row_ulps"],
+            "layer0_bit_equal": layers[0][key]["bit_equal"],
+            "deeper_max_row_ulps": max(x[key]["max_row_ulps"] for x in deep) if deep else None,
+            "deeper_mean_row_ulps": round(sum(x[key]["mean_row_ulps"] for x in deep) / len(deep), 4) if deep else None,
+        }
+        for key in layers[0]
+    }
     return {
+        "summary": overview,
         "rope_style": spec.style,
         "rope_type": spec.rope_type,
         "rotary_dim": r,
