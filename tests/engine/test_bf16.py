@@ -216,3 +216,65 @@ def test_rotation_setting() -> None:
     assert torch.equal(engine.apply(can, None, 999).keys, model.keys)
     with pytest.raises(InvalidInputError, match="rotation"):
         engine.apply(can, None, 999, rotation="bf16")
+
+
+def _mrope_config(family: str) -> object:
+    import transformers as T
+
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    if family == "qwen2_vl":
+        return T.Qwen2VLTextConfig(rope_parameters=rope, **sizes)
+    return T.Qwen3VLTextConfig(rope_parameters=rope, **sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_model_rotation_of_mrope_tokens_is_the_models_own(family: str, dtype: torch.dtype) -> None:
+    """M-RoPE (contiguous sections, Qwen2-VL; interleaved, Qwen3-VL): ``rotate_like_model`` with the spec bound
+    to the tokens' axis offsets writes the bits the model's rotary module and ``apply_rotary_pos_emb`` write
+    for the same keys at the three-axis positions ``p + delta``: 0 ulps."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as q2
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as q3
+
+    from kamera_engine.rope import RopeSpec
+    from kamera_engine.vision.mrope import MRopeSpec, interleaved_axes, section_axes
+
+    module = q2 if family == "qwen2_vl" else q3
+    rotary_cls = q2.Qwen2VLRotaryEmbedding if family == "qwen2_vl" else q3.Qwen3VLTextRotaryEmbedding
+    rot = rotary_cls(config=_mrope_config(family))
+    axes = (section_axes if family == "qwen2_vl" else interleaved_axes)([2, 3, 3], 8)
+    spec = MRopeSpec.of(RopeSpec(rot.inv_freq.float().clone(), 16, 16), axes)
+    g = torch.Generator().manual_seed(4)
+    n = 12
+    keys = (torch.randn(n, 2, 16, generator=g) * 3).to(dtype)  # (T, H, D) pre-RoPE
+    deltas = torch.randint(-3, 9, (n, 3), generator=g)
+    deltas[:4] = 0  # text tokens: all axes at the linear position
+    for target in (37, 1000, 5000):
+        pos = torch.arange(target, target + n)
+        cos, sin = rot(keys, (pos[:, None] + deltas).T[:, None, :])  # position ids (3, 1, T)
+        _, want = module.apply_rotary_pos_emb(keys.transpose(0, 1)[None], keys.transpose(0, 1)[None], cos, sin)
+        got = rotate_like_model(keys, spec.bind(deltas), target)
+        assert torch.equal(got, want[0].transpose(0, 1)), f"{family} @ {target}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_model_rotation_of_an_mla_band_is_the_models_own(dtype: torch.dtype) -> None:
+    """MLA (DeepSeek-V3, Kimi-K2.5): the model de-interleaves the ``k_pe`` band and rotates it into rotate-half
+    layout, which is what the cache holds; ``rotate_like_model`` on the de-interleaved pre-RoPE band (the
+    position-free frame of that layout) writes the model's bits: 0 ulps."""
+    import transformers as T
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    from kamera_engine.rope import RopeSpec
+
+    cfg = T.DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16, vocab_size=128)
+    rot = ds.DeepseekV3RotaryEmbedding(config=cfg)
+    spec = RopeSpec(rot.inv_freq.float().clone(), 16, 16)
+    band = (torch.randn(10, 1, 16, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)  # interleaved pairs
+    free = torch.cat([band[..., 0::2], band[..., 1::2]], dim=-1)  # the cache's layout at angle 0
+    for target in (37, 1000, 5000):
+        cos, sin = rot(band, torch.arange(target, target + 10)[None])
+        b = band.transpose(0, 1)[None]
+        _, want = ds.apply_rotary_pos_emb_interleave(b, b, cos, sin)
+        assert torch.equal(rotate_like_model(free, spec, target), want[0].transpose(0, 1)), f"@ {target}"
