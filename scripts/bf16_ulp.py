@@ -9,6 +9,7 @@ reports the distance between the keys that prefill writes and:
 * ``model``: the canonical relocated with ``rotation="model"`` (the model's own bf16 arithmetic);
 * ``model_on_pre_rope``: ``rotation="model"`` applied to the canonical forward's pre-RoPE keys (a canonical
   that stored them bit for bit), which isolates the rotation from the canonical's own rounding;
+* ``exact_on_pre_rope``: the default rotation on those pre-RoPE keys;
 
 plus ``pre_rope``: the distance between the two forwards' pre-RoPE keys (the noise floor of deeper layers).
 Distances are over the rotary band: ``max_row_ulps`` / ``mean_row_ulps`` in ulps of the dtype at the largest
@@ -19,6 +20,10 @@ same bits. ``summary`` gives layer 0 and the worst / mean over deeper layers.
 Run from the repository root:
 
     python scripts/bf16_ulp.py --out docs/results/bf16-ulp-cpu.json      # --quick: tiny models only
+
+``--window-steps N`` adds the window trace of ``kamera bench window`` (first N steps) on the default model,
+a ``kamera`` window against a ``recompute`` one, once per rotation (about 7 minutes per rotation at N=8 on
+two busy CPU cores).
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
                 "exact": summary(exact[layer][..., :r], want),
                 "model": summary(model[layer][..., :r], want),
                 "model_on_pre_rope": summary(rotate_like_model(pre_can[layer], spec, target)[..., :r], want),
+                "exact_on_pre_rope": summary(rotate_keys(pre_can[layer], spec, target, exact=False)[..., :r], want),
                 "pre_rope": summary(pre_can[layer][..., :r], pre_tgt[layer][..., :r]),
                 "prefill_vs_exact_rotation": summary(
                     rotate_keys(pre_tgt[layer].double(), spec, target).to(want.dtype)[..., :r], want
@@ -144,11 +150,26 @@ def _worst(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: min(a[k], b[k]) if k in ("bit_equal", "rows_equal") else max(a[k], b[k]) for k in a}
 
 
+def window_trace(steps: int, dtype: torch.dtype) -> dict[str, object]:
+    """Next-token KL of a ``kamera`` window to a ``recompute`` window, per rotation (the default model)."""
+    from kamera_sdk.bench.window import build_trace, run_trace
+
+    out: dict[str, object] = {"steps": steps}
+    for rotation in ("exact", "model"):
+        engine = Engine.load(device="cpu", dtype=dtype)
+        engine.rotation = rotation
+        arm = run_trace(engine, build_trace(steps=steps), ("recompute", "kamera"))["kamera"]
+        keys = ("kl_mean", "kl_max", "answers_equal_recompute", "kl_mean_by_kind")
+        out[rotation] = {k: arm[k] for k in keys}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
     parser.add_argument("--quick", action="store_true", help="tiny models only (no default model)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--window-steps", type=int, default=0, help="also run the window trace, per rotation")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -163,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             "window is assembled, so a chunk computed once is served at any offset without a forward pass."
         )
         models[engine.name] = measure(engine, engine.tokenize(text))
-    result = {
+    result: dict[str, object] = {
         "dtype": args.dtype,
         "machine": f"{platform.machine()} cpu, torch {torch.__version__}",
-        "command": "python scripts/bf16_ulp.py" + (" --quick" if args.quick else "") + f" --dtype {args.dtype}",
+        "command": " ".join(["python scripts/bf16_ulp.py", *(argv if argv is not None else sys.argv[1:])]),
         "models": models,
     }
+    if args.window_steps:
+        result["window_trace"] = window_trace(args.window_steps, dtype)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
