@@ -104,6 +104,8 @@ class Engine:
         #: the spec the operator rotates with: ``rope``, or the value slot's own when ``rope_in_values``
         self.operator_rope: RopeSpec = self._operator_rope()
         self.context_length = self.adapter.context_length()
+        #: the arithmetic a placement rotates keys with, ``rope.ROTATIONS`` (docs/gpu.md, "bf16 and fp16")
+        self.rotation: str = "exact"
         if anchor_ids is not None:
             self.anchor_ids = [int(i) for i in anchor_ids]
             self.prompt_suffix_ids: list[int] = []
@@ -368,9 +370,21 @@ class Engine:
         patch = op.form_patch(views, self._view(canonical), spec, rank, layers=layers, dtype=dtype)
         return _swap_patch(patch) if self.rope_in_values else patch
 
-    def apply(self, canonical: KV, patch: Patch | None, target: torch.Tensor | int, *, exact: bool = False) -> KV:
+    def apply(
+        self,
+        canonical: KV,
+        patch: Patch | None,
+        target: torch.Tensor | int,
+        *,
+        exact: bool = False,
+        rotation: str | None = None,
+    ) -> KV:
+        """Serve ``canonical`` (+ ``patch``) at ``target`` (``operator.apply_patch``); ``rotation`` defaults to
+        the engine's ``rotation`` setting."""
         spec = self.rope_for(canonical.deltas)
-        return self._view(op.apply_patch(self._view(canonical), self._view_patch(patch), spec, target, exact=exact))
+        view, view_patch = self._view(canonical), self._view_patch(patch)
+        rot = self.rotation if rotation is None else rotation
+        return self._view(op.apply_patch(view, view_patch, spec, target, exact=exact, rotation=rot))
 
     def deep_layers(self, fraction: float = 0.5) -> list[int]:
         """The deepest ``fraction`` of layers (the deep-only patch variant)."""

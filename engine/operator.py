@@ -24,7 +24,7 @@ from . import fused_apply as fused
 from .errors import InvalidInputError
 from .kernels import dispatch as gpu_kernels
 from .kv import KV
-from .rope import RopeSpec, apply_rotation_, rotate_keys, rotation_table, work_dtype
+from .rope import RopeSpec, apply_rotation_, check_rotation, rotate_keys, rotate_like_model, rotation_table, work_dtype
 
 
 @dataclass(slots=True)
@@ -256,12 +256,16 @@ def apply_patch(
     *,
     exact: bool = False,
     out: KV | None = None,
+    rotation: str = "exact",
 ) -> KV:
     """Serve a chunk: ``R(target) · (canonical + U V^T)``; no forward pass.
 
     canonical: position-free KV (L, T, H, D). ``patch=None`` gives blind reuse (relocation only).
     ``exact=False`` rotates in the KV dtype (serving path); ``True`` rotates in float64 (reference).
     ``out``: optional preallocated placed KV (same shapes) to write into, e.g. a slot of the window.
+    ``rotation`` (serving path only): ``"exact"`` computes in float32 and rounds once; ``"model"`` rotates
+    with the model's own arithmetic in the KV dtype (``rope.rotate_like_model``) on torch's path, after
+    ``canonical + U V^T`` is rounded once to the KV dtype (the dtype the model's pre-RoPE key has).
 
     The serving path runs the fused CPU kernel (``fused_apply``: one pass per row) when it can, on CUDA
     the Triton kernel (``kernels.place``, chosen by ``kernels.dispatch``), else torch layer by layer, so
@@ -275,6 +279,14 @@ def apply_patch(
         raise InvalidInputError(f"target positions shape {tuple(tgt.shape)} != ({n_tok},)")
     if patch is not None and patch.num_tokens != n_tok:
         raise InvalidInputError(f"patch covers {patch.num_tokens} tokens, canonical has {n_tok}")
+    if check_rotation(rotation) == "model" and not exact:
+        free = reconstruct(canonical, patch)
+        keys = rotate_like_model(free.keys, spec, tgt)
+        if out is None:
+            return KV(keys, free.values.clone() if patch is None else free.values, tgt, canonical.deltas)
+        out.keys.copy_(keys)
+        out.values.copy_(free.values)
+        return KV(out.keys, out.values, tgt, canonical.deltas)
     if exact:
         free = reconstruct(canonical, patch)
         keys = rotate_keys(free.keys, spec, tgt, None, exact=True)

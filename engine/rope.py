@@ -12,6 +12,16 @@ target position only by float rounding of the key itself (about one ulp), at any
 Kamera stores keys *position-free*: rotated to angle 0 (every token "at position 0"). A placement is
 then a single rotation from 0 to the target, never a chain of rotations.
 
+Two rotation arithmetics serve a placement from the position-free frame (``ROTATIONS``):
+
+* ``"exact"`` (the default): the rotation computed in float64 (reference) or float32 (serving) and rounded
+  once to the KV dtype: within one ulp of the exact rotation of the stored key.
+* ``"model"``: the model's own arithmetic in the KV dtype, as transformers' ``apply_rotary_pos_emb`` does
+  it: cos/sin of the float32 angle taken in float32 and cast to the KV dtype, then ``k cos + rot(k) sin``
+  with every product and the sum rounded to the KV dtype. On a canonical holding the model's pre-RoPE
+  key it writes the bits a prefill at the target writes; it is itself up to ~2 ulps from the exact
+  rotation on a 16-bit KV (docs/gpu.md, "bf16 and fp16").
+
 Attention scaling (yarn's ``mscale``, longrope's factor) multiplies cos and sin inside the model: the
 stored key already carries it once, so relocation rotates by pure angles and never rescales again.
 """
@@ -119,6 +129,66 @@ def rotate_keys(
     out = keys.to(work).clone()
     apply_rotation_(out, cos, sin, spec)
     return out.to(keys.dtype)
+
+
+#: rotation arithmetics for a placement from the position-free frame (module docstring)
+ROTATIONS = ("exact", "model")
+
+
+def check_rotation(rotation: str) -> str:
+    """``rotation`` if it names one of :data:`ROTATIONS`, else a clear error."""
+    if rotation not in ROTATIONS:
+        raise InvalidInputError(f"rotation must be one of {', '.join(ROTATIONS)}, got {rotation!r}")
+    return rotation
+
+
+def model_rotation_table(
+    spec: RopeSpec, target: torch.Tensor, *, dtype: torch.dtype, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the angles of ``target`` (T,) as a transformers model computes them for its own RoPE: the
+    float32 angle, ``cos``/``sin`` in float32 on ``device``, cast to ``dtype``. (T, rotary_dim // 2) each.
+
+    Pure angles: a yarn / longrope attention scaling is carried once by the stored key, never applied again.
+    """
+    ang = spec.angles(target).to(device=device, dtype=torch.float32)  # float32 values, exactly representable
+    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+
+
+def rotate_like_model(keys: torch.Tensor, spec: RopeSpec, target: torch.Tensor | int) -> torch.Tensor:
+    """Rotate position-free ``keys`` (..., T, H, D) to ``target`` with the model's own arithmetic
+    (``rotation="model"``): in the key dtype, every operation rounded as ``apply_rotary_pos_emb`` rounds it.
+
+    Bit for bit the keys a forward at ``target`` writes, when ``keys`` are that forward's pre-RoPE keys and
+    the model scales no angle (``attention_scaling == 1``).
+    """
+    tgt = _as_positions(target, keys.shape[-3])
+    cos, sin = model_rotation_table(spec, tgt, dtype=keys.dtype, device=keys.device)
+    return apply_model_rotation(keys, cos, sin, spec)
+
+
+def apply_model_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """``x`` (..., T, H, D) rotated by ``cos``/``sin`` (T, rotary_dim // 2) in ``x``'s dtype, op by op as
+    transformers does it: ``x1 c + (-x2) s`` and ``x2 c + x1 s``, each product and sum rounded. A new tensor;
+    the features past the rotary band are carried bit for bit."""
+    r = spec.rotary_dim
+    c = cos[:, None, :]  # (T, 1, r/2): broadcast over heads
+    s = sin[:, None, :]
+    if spec.style == "half":
+        x1, x2 = x[..., : r // 2], x[..., r // 2 : r]
+    elif spec.style == "interleaved":
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    else:  # pragma: no cover - adapters validate the style
+        raise UnsupportedModelError(f"unknown rope style {spec.style!r}")
+    o1 = (x1 * c) + ((-x2) * s)
+    o2 = (x2 * c) + (x1 * s)
+    out = x.clone()
+    if spec.style == "half":
+        out[..., : r // 2] = o1
+        out[..., r // 2 : r] = o2
+    else:
+        out[..., 0:r:2] = o1
+        out[..., 1:r:2] = o2
+    return out
 
 
 #: 16-bit KV dtypes: arithmetic on them runs in float32 and rounds once to the dtype at the end
