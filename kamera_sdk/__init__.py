@@ -40,7 +40,16 @@ from .plan import Plan, Source
 from .policies import POLICIES, ReusePolicy, register_policy
 from .stats import WindowStats
 from .store import ChunkStore, open_store
-from .tools import ToolCall, ToolSpec, closed_schema, json_grammar, parse_tool_call, tool_grammar, tools_prompt
+from .tools import (
+    JSON_MODE_PROMPT,
+    ToolCall,
+    ToolSpec,
+    closed_schema,
+    json_grammar,
+    parse_tool_call,
+    tool_grammar,
+    tools_prompt,
+)
 from .version import __version__
 from .window import ContextWindow, DisposabilityResult
 
@@ -64,6 +73,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "JSON_MODE_PROMPT",
     "KV",
     "POLICIES",
     "AsyncRemoteWindow",

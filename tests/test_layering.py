@@ -52,8 +52,7 @@ PLANTED: dict[str, tuple[str, str]] = {
 
 #: Import cycles that exist today and are being removed by issue 22 (items 2 and 4). A cycle not inside one of
 #: these fails; once they are gone, empty this.
-KNOWN_CYCLES: list[frozenset[str]] = [
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from kamera_sdk import (
+    JSON_MODE_PROMPT,
     POLICIES,
     ChatFormat,
     ChunkStore,
@@ -47,7 +48,6 @@ from kamera_sdk import (
     open_store,
     tools_prompt,
 )
-from kamera_sdk.tools import JSON_MODE_PROMPT
 
 from ._conversation import Conversation, SyncReport, stats_delta
 from ._messages import message_payload, message_role, message_text

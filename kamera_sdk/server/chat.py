@@ -149,6 +149,7 @@ def sampling(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     grammar = answer_grammar(req)
     return sampling_params(limits, max_tokens, req.temperature, req.top_p, req.stop, req.seed, grammar)
 
+
 def request_tools(req: ChatCompletionRequest) -> list[ToolSpec]:
     """The tools the model may call in this answer (none when ``tool_choice`` is ``"none"``)."""
     if not req.tools or req.tool_choice == "none":
