@@ -335,6 +335,18 @@ def _check_retries(retries: int, max_retry_wait_s: float) -> None:
         raise InvalidInputError(f"retries and max_retry_wait_s must be >= 0, got {retries}, {max_retry_wait_s}")
 
 
+def _branch_options(window: RemoteWindow | AsyncRemoteWindow) -> dict[str, Any]:
+    """What a fork inherits from its parent window: key, timeout, retry policy and a shared client (one the
+    parent was given; a client the parent opened itself stays the parent's)."""
+    return dict(
+        api_key=window._api_key,
+        timeout=window._timeout,
+        client=None if window._owns_client else window._client,
+        retries=window.retries,
+        max_retry_wait_s=window.max_retry_wait_s,
+    )
+
+
 def _unreachable(url: str, exc: httpx.TransportError) -> RemoteError:
     return RemoteError(f"cannot reach the Kamera server at {url}: {exc}", status=0, type_name="TransportError")
 
@@ -502,16 +514,7 @@ class RemoteWindow:
     def fork(self) -> RemoteWindow:
         """A copy-on-write branch on a new session (owned, so ``close()`` deletes it)."""
         child_id = self._send(self._r.fork())
-        shared = None if self._owns_client else self._client
-        child = RemoteWindow(
-            self.base_url,
-            api_key=self._api_key,
-            session_id=child_id,
-            timeout=self._timeout,
-            client=shared,
-            retries=self.retries,
-            max_retry_wait_s=self.max_retry_wait_s,
-        )
+        child = RemoteWindow(self.base_url, session_id=child_id, **_branch_options(self))
         child._owns_session = True
         return child
 
@@ -738,16 +741,7 @@ class AsyncRemoteWindow:
     async def fork(self) -> AsyncRemoteWindow:
         """A copy-on-write branch on a new session (owned, so ``aclose()`` deletes it)."""
         child_id = await self._send((await self._requests()).fork())
-        shared = None if self._owns_client else self._client
-        child = AsyncRemoteWindow(
-            self.base_url,
-            api_key=self._api_key,
-            session_id=child_id,
-            timeout=self._timeout,
-            client=shared,
-            retries=self.retries,
-            max_retry_wait_s=self.max_retry_wait_s,
-        )
+        child = AsyncRemoteWindow(self.base_url, session_id=child_id, **_branch_options(self))
         child._owns_session = True
         return child
 
