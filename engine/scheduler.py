@@ -7,8 +7,9 @@ prefilling, up to ``step_tokens`` in all, so a long prompt is prefilled in chunk
 and never stalls everyone's decode. Requests join at the next step and leave when they finish.
 Decoding requests keep their KV in the scheduler's ``DecodeSlab`` (while it fits the KV budget), so a
 step's decode rows attend in one call.
-A window's own forwards (``Engine.forward`` under ``serving``) are carried: run at once as one more row
-of a step that advances every running decode (``carry``).
+A window's own forwards (``Engine.forward`` under ``serving``, from any thread) are carried: they wait for
+the next step and run as rows of it, with every running decode, waiting prompts and other windows'
+forwards (``carry``); the scheduler is the one place that serialises and batches the engine's forwards.
 
 A request's tokens stream back through its ``Request`` handle: a blocking iterator (which drives the
 scheduler itself when no thread does) and an async iterator. Requests under one submitter key (one
@@ -37,7 +38,7 @@ from .batch import DecodeSlab, Row, RowCache, batched_forward
 from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
-from .runner import ForwardResult
+from .runner import ForwardResult, run_forward
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -74,8 +75,12 @@ class SchedulerStats(BaseModel):
     queue_wait_s_total: float = 0.0
     queue_wait_s_max: float = 0.0
     forward_s: float = 0.0
-    carried: int = 0  # callers' own forwards (window work) that ran in a step with the running decodes
+    carried: int = 0  # callers' own forwards (window work) that ran batched in a step with other rows
     carried_tokens: int = 0
+    carried_alone: int = 0  # window forwards that ran alone (nothing else to run in their step)
+    carried_steps: int = 0  # steps that held window forwards' rows
+    carried_rows_total: int = 0  # window forwards' rows summed over those steps (chunks count one each)
+    carried_rows_max: int = 0  # most window forwards' rows in one step
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
     slab_rows: int = 0  # decoding requests whose KV sits in the decode slab now (attended in one call)
@@ -203,6 +208,31 @@ class Request(Iterator[int]):
             wake()
 
 
+@dataclass(eq=False, slots=True)
+class _Carried:
+    """A window's own forward handed to the scheduler (``carry``), waiting for or running in its steps."""
+
+    ids: torch.Tensor
+    past: Past
+    start: int
+    logits: str
+    cache: RowCache | None = None  # the past copied to the device with room for ``ids`` (first chunk on)
+    n_past: int = 0
+    done: int = 0  # tokens planned into steps so far
+    pieces: list[torch.Tensor] = field(default_factory=list)  # logits of the chunks run so far
+    result: ForwardResult | None = None
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
+class _CarriedChunk:
+    item: _Carried
+    row: Row
+    tokens: int
+    final: bool
+
+
 @dataclass(slots=True)
 class _Plan:
     rows: list[Row] = field(default_factory=list)
@@ -210,6 +240,7 @@ class _Plan:
     finishing_prompt: list[bool] = field(default_factory=list)
     decode_rows: int = 0
     prefill_tokens: int = 0
+    carried: list[_CarriedChunk] = field(default_factory=list)  # window forwards' rows, after ``rows``
 
 
 class Scheduler:
@@ -246,6 +277,7 @@ class Scheduler:
         self._step_lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
+        self._carried: list[_Carried] = []  # window forwards (``carry``) waiting for or running in steps
         self._kv_bytes = 0
         self._slab = DecodeSlab()  # decoding requests' KV side by side: one attention call for all of them
         self._slab_need = 0  # need_bytes of the requests in the slab
@@ -351,94 +383,145 @@ class Scheduler:
     # --- stepping ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._running or self._waiting)
+            return bool(self._running or self._waiting or self._carried)
 
     def step(self) -> bool:
         """Admit what fits, run one batched forward, hand out its tokens. False when there was no work."""
         with self._step_lock:
-            self._admit()
-            plan = self._plan()
-            if not plan.rows:
-                return False
-            t0 = time.perf_counter()
-            try:
-                logits = batched_forward(self.engine.model, plan.rows)
-            except Exception:
-                logits = self._alone(plan)  # find the request that fails; the others go on
-            dt = time.perf_counter() - t0
-            self._account(plan, dt)
-            for req, lg, finishing in zip(plan.requests, logits, plan.finishing_prompt, strict=True):
-                if lg is None:
-                    continue  # failed alone, or a prompt chunk that is not the last
-                if req.state == "cancelled":
-                    continue
-                if req.state == "prefill":
-                    if not finishing:
-                        continue
-                    req.state = "decode"
-                    self._take(req, lg)
-                    self._to_slab(req)
-                else:
-                    self._take(req, lg)
+            return self._step_locked()
+
+    def _step_locked(self) -> bool:
+        self._admit()
+        lone = self._lone_window_forward()
+        if lone is not None:  # one window forward and nothing else to run: the unbatched path, bit for bit
+            self._run_alone(lone)
+            self._stats.carried_alone += 1
             return True
+        plan = self._plan()
+        if not plan.rows and not plan.carried:
+            return False
+        rows = [*plan.rows, *(c.row for c in plan.carried)]
+        t0 = time.perf_counter()
+        try:
+            logits = batched_forward(self.engine.model, rows)
+        except Exception:
+            # find the request that fails (the others go on); every window forward runs alone, so its own
+            # error (if any) reaches its caller
+            logits = self._alone(plan)
+            for chunk in plan.carried:
+                self._run_alone(chunk.item)
+            plan.carried = []
+        dt = time.perf_counter() - t0
+        self._account(plan, dt)
+        for req, lg, finishing in zip(plan.requests, logits, plan.finishing_prompt, strict=False):
+            if lg is None:
+                continue  # failed alone, or a prompt chunk that is not the last
+            if req.state == "cancelled":
+                continue
+            if req.state == "prefill":
+                if not finishing:
+                    continue
+                req.state = "decode"
+                self._take(req, lg)
+                self._to_slab(req)
+            else:
+                self._take(req, lg)
+        for chunk, lg in zip(plan.carried, logits[len(plan.rows) :], strict=True):
+            self._carried_chunk_done(chunk, lg)
+        return True
 
     def carry(self, ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult | None:
-        """Run a caller's own forward (``Engine.forward``: a window's new page, its prompt, a cascade) as one
-        more row of a step that also advances every running decode by one token, so window work never
-        stalls the decode batch and the decodes ride on the forward's weight reads.
+        """Run a caller's own forward (``Engine.forward``: a window's new page, its prompt, a cascade) in the
+        scheduler's steps: as one more row of a step that also advances every running decode by one token,
+        prefills waiting prompts and runs other windows' forwards (other threads' ``carry``), so window
+        work never stalls the decode batch and several windows' forwards read the weights once.
 
-        Returns None (the caller runs its forward alone, as it would without a scheduler) when nothing is
-        decoding, when another thread drives the scheduler, or when the combined forward fails (the decode
-        rows are rolled back and go on at the next step). The forward is counted by ``Engine.forward``;
-        this step is not counted again in the engine's counters."""
-        if self._driven_elsewhere() or logits not in ("last", "all", "none"):
+        Blocks until the forward has run. A thread that drives the scheduler runs it; when none does, the
+        calling thread steps the scheduler itself. A step that holds this forward and nothing else runs it
+        alone (``run_forward``, bit for bit the unbatched path). A forward longer than what is left of a
+        step's ``step_tokens`` is split over several steps (chunked prefill). When the combined forward
+        fails, every window forward of the step runs alone and its own error (if any) is raised here.
+        Returns None only for a ``logits`` mode it does not know (the caller runs its forward itself). The
+        forward is counted by ``Engine.forward``, not again in the engine's counters."""
+        if logits not in ("last", "all", "none"):
             return None
-        with self._step_lock:
-            self._admit()  # answers submitted since the last step join (a prefilled one starts decoding)
-            with self._lock:
-                decoding = [r for r in self._running if r.state == "decode"][: self.max_rows - 1]
-            if not decoding:
+        item = _Carried(ids.to(torch.long).reshape(-1), past, start, logits)
+        with self._lock:
+            self._carried.append(item)
+        self.notify()
+        while not item.finished.is_set():
+            if self._driven_elsewhere():
+                item.finished.wait(0.5)  # the driver runs it (rechecked: a driver may stop)
+                continue
+            with self._step_lock:  # no driver: run steps here (another waiting caller may run ours first)
+                if not item.finished.is_set():
+                    self._step_locked()
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
+
+    def _lone_window_forward(self) -> _Carried | None:
+        """The one window forward to run alone: nothing decoding, no prompt to prefill, no other window
+        forward waiting, and this one not started in chunks."""
+        with self._lock:
+            if len(self._carried) != 1 or self._carried[0].done or self._running:
                 return None
-            device = next(self.engine.model.parameters()).device
-            n = int(ids.numel())
-            cache = RowCache.from_past(past, self.engine.num_layers, reserve=n, device=device)
-            n_past = len(cache)
-            plan = _Plan()
-            for req in decoding:
-                assert req._cache is not None
-                plan.rows.append(Row.at(req._cache, [req.generated[-1]], req._position))
-                plan.requests.append(req)
-                plan.finishing_prompt.append(False)
-                plan.decode_rows += 1
-            own = Row.at(cache, ids, start, logits="all" if logits == "all" else "last")
-            t0 = time.perf_counter()
-            try:
-                out = batched_forward(self.engine.model, [*plan.rows, own])
-            except Exception:
-                return None  # every row rolled back: the caller's forward runs alone, the decodes next step
-            dt = time.perf_counter() - t0
-            for req in decoding:
-                req._position += 1
-            s = self._stats
-            s.steps += 1
-            s.carried += 1
-            s.carried_tokens += n
-            s.rows_total += len(plan.rows) + 1
-            s.batch_max = max(s.batch_max, len(plan.rows) + 1)
-            s.forward_s += dt
-            s.decode_tokens += plan.decode_rows
-            for req, lg in zip(decoding, out, strict=False):
-                if req.state == "decode" and lg is not None:
-                    self._take(req, lg)
-        own_logits = out[-1]
-        assert own_logits is not None
-        positions = torch.arange(start, start + n, dtype=torch.long)
-        layers = cache.layers()
+            return self._carried[0]
+
+    def _run_alone(self, item: _Carried) -> None:
+        try:
+            item.result = run_forward(self.engine.model, item.ids, item.past, item.start, logits=item.logits)
+        except BaseException as exc:  # the caller's error, raised on its own thread
+            item.error = exc
+        self._carried_finish(item)
+
+    def _plan_carried(self, plan: _Plan, budget: int) -> int:
+        """Add chunks of the waiting window forwards (in arrival order) to ``plan`` within ``budget`` tokens;
+        returns what is left of the budget."""
+        with self._lock:
+            pending = list(self._carried)
+        device = next(self.engine.model.parameters()).device
+        for item in pending:
+            if budget <= 0 or len(plan.rows) + len(plan.carried) >= self.max_rows:
+                break
+            n = int(item.ids.numel())
+            if item.cache is None:
+                item.cache = RowCache.from_past(item.past, self.engine.num_layers, reserve=n, device=device)
+                item.n_past = len(item.cache)
+            k = min(n - item.done, budget)
+            final = item.done + k == n
+            mode = "all" if item.logits == "all" else ("last" if final else "none")
+            row = Row.at(item.cache, item.ids[item.done : item.done + k], item.start + item.done, logits=mode)
+            plan.carried.append(_CarriedChunk(item, row, k, final))
+            item.done += k
+            budget -= k
+        return budget
+
+    def _carried_chunk_done(self, chunk: _CarriedChunk, logits: torch.Tensor | None) -> None:
+        item = chunk.item
+        if logits is not None:
+            item.pieces.append(logits)
+        if not chunk.final:
+            return
+        cache = item.cache
+        assert cache is not None
+        n = int(item.ids.numel())
+        positions = torch.arange(item.start, item.start + n, dtype=torch.long)
         dyn = DynamicCache(config=self.engine.model.config)
-        for i, (k, v) in enumerate(layers):
+        for i, (k, v) in enumerate(cache.layers()):
             dyn.update(k, v, i)
-        kv = cache.kv(n_past, n_past + n, positions)
-        return ForwardResult(kv, own_logits if logits == "all" else own_logits[None], dyn)
+        kv = cache.kv(item.n_past, item.n_past + n, positions)
+        out = torch.cat(item.pieces) if item.logits == "all" else item.pieces[-1][None]
+        item.result = ForwardResult(kv, out, dyn)
+        self._carried_finish(item)
+
+    def _carried_finish(self, item: _Carried) -> None:
+        with self._lock:
+            if item in self._carried:
+                self._carried.remove(item)
+        item.past = None  # copied or run: the caller's tensors are free again
+        item.finished.set()
 
     def _alone(self, plan: _Plan) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []
@@ -452,14 +535,23 @@ class Scheduler:
 
     def _account(self, plan: _Plan, dt: float) -> None:
         s = self._stats
+        rows = len(plan.rows) + len(plan.carried)
         s.steps += 1
-        s.rows_total += len(plan.rows)
-        s.batch_max = max(s.batch_max, len(plan.rows))
+        s.rows_total += rows
+        s.batch_max = max(s.batch_max, rows)
         s.forward_s += dt
         decode, prefill = plan.decode_rows, plan.prefill_tokens
         s.decode_tokens += decode
         s.prefill_tokens += prefill
         self._step_s = 0.8 * self._step_s + 0.2 * dt
+        if plan.carried:
+            s.carried_steps += 1
+            s.carried_rows_total += len(plan.carried)
+            s.carried_rows_max = max(s.carried_rows_max, len(plan.carried))
+            s.carried += sum(1 for c in plan.carried if c.final)
+            s.carried_tokens += sum(c.tokens for c in plan.carried)
+        if not plan.rows:
+            return  # window forwards only: each is counted by its own ``Engine.forward``
         counters = self.engine.counters
         counters.forwards += 1
         counters.tokens_prefilled += prefill
@@ -525,9 +617,10 @@ class Scheduler:
         with self._lock:
             decoding = [r for r in self._running if r.state == "decode"]
             prefilling = [r for r in self._running if r.state == "prefill"]
+            rows = self.max_rows - 1 if self._carried else self.max_rows  # a window forward always gets a row
         budget = self.step_tokens
         for req in decoding:
-            if len(plan.rows) >= self.max_rows:
+            if len(plan.rows) >= rows:
                 break
             assert req._cache is not None
             plan.rows.append(Row.at(req._cache, [req.generated[-1]], req._position))
@@ -535,8 +628,9 @@ class Scheduler:
             plan.finishing_prompt.append(False)
             plan.decode_rows += 1
             budget -= 1
+        budget = self._plan_carried(plan, budget)  # window forwards: callers block on them, so before prompts
         for req in prefilling:
-            if budget <= 0 or len(plan.rows) >= self.max_rows:
+            if budget <= 0 or len(plan.rows) + len(plan.carried) >= self.max_rows:
                 break
             assert req._prompt is not None and req._cache is not None
             left = int(req._prompt.numel()) - req._done_prompt
