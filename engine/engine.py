@@ -8,6 +8,7 @@ nothing about chunks, windows or policies (that is ``kamera_sdk``).
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -250,10 +251,27 @@ class Engine:
         self.check_length(total)
         t0 = time.perf_counter()
         res = self._run(input_ids, past, start, logits)
-        self.counters.forwards += 1
-        self.counters.tokens_prefilled += int(input_ids.numel())
-        self.counters.forward_s += time.perf_counter() - t0
+        self.count_forward(int(input_ids.numel()), time.perf_counter() - t0)
         return res
+
+    def count_forward(self, tokens: int, seconds: float) -> None:
+        """Count one forward in ``counters`` and in the calling thread's ``thread_counters``."""
+        for c in (self.counters, self.thread_counters):
+            c.forwards += 1
+            c.tokens_prefilled += tokens
+            c.forward_s += seconds
+
+    @property
+    def thread_counters(self) -> EngineCounters:
+        """The calling thread's share of ``counters``: windows on several threads at once (each call on one
+        thread) meter their own calls' work from it."""
+        local = self.__dict__.get("_per_thread")
+        if local is None:
+            local = self.__dict__.setdefault("_per_thread", threading.local())
+        counters = getattr(local, "counters", None)
+        if counters is None:
+            counters = local.counters = EngineCounters()
+        return counters
 
     @property
     def context_length(self) -> int | None:

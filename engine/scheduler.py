@@ -550,12 +550,8 @@ class Scheduler:
             s.carried_rows_max = max(s.carried_rows_max, len(plan.carried))
             s.carried += sum(1 for c in plan.carried if c.final)
             s.carried_tokens += sum(c.tokens for c in plan.carried)
-        if not plan.rows:
-            return  # window forwards only: each is counted by its own ``Engine.forward``
-        counters = self.engine.counters
-        counters.forwards += 1
-        counters.tokens_prefilled += prefill
-        counters.forward_s += dt
+        if plan.rows:  # window forwards only: each is counted by its own ``Engine.forward``
+            self.engine.count_forward(prefill, dt)
 
     def _admit(self) -> None:
         """Move waiting requests into the running set, in order, while rows and memory allow; a key's

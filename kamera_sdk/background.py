@@ -5,10 +5,13 @@ patches set aside at the last use, re-conditioning slide survivors on what remai
 nothing on the critical path needs yet, prefetching store entries. It runs when the engine is idle: in
 ``ContextWindow.prepare()`` (explicit: run it now and wait) or on an idle thread (``background="auto"``).
 
-Thread safety is one lock per engine (``EngineGate``): every foreground call of every window on the
-engine holds it, and background work takes it one task (at most one forward) at a time, only while no
-foreground call is waiting. So a foreground call waits behind at most one background forward, and the
-engine's counters (``metering``) still see one call at a time.
+Thread safety is one lock per window (``WindowGate``, shared by the window's forks, which share its
+chunks): every foreground call of the window holds it, and its background work takes it one task (at
+most one forward) at a time, only while no foreground call of ANY window on the engine is in progress or
+waiting (``EngineGate`` counts them). So foreground work goes first engine-wide and waits behind at most
+one background forward, while foreground calls of different windows run at once on their own threads:
+their forwards meet in the engine's scheduler, which batches them (``kamera_engine.scheduler``). The
+engine counts work per thread too (``Engine.thread_counters``), so ``metering`` still sees one call's.
 
 Results never depend on timing. A task is ``required`` when its outcome can change a later plan
 (patches, survivor conditioning): the next foreground operation or use of the window finishes the
@@ -108,34 +111,59 @@ class BackgroundQueue:
 
 
 class EngineGate:
-    """One lock per engine: foreground calls hold it (re-entrant); background work takes it one task at a
-    time and only while no foreground call waits for it."""
+    """Per engine: how many foreground calls of any window are in progress or waiting. Background work of
+    every window on the engine runs only while there are none (foreground work first, engine-wide)."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
         self._state = threading.Condition()
-        self._waiting = 0
+        self._foreground = 0
+
+    def window(self) -> WindowGate:
+        """A new window's own lock on this engine (its forks share it)."""
+        return WindowGate(self)
 
     @contextmanager
-    def foreground(self) -> Iterator[None]:
+    def _counted(self) -> Iterator[None]:
         with self._state:
-            self._waiting += 1
-        self._lock.acquire()
-        with self._state:
-            self._waiting -= 1
+            self._foreground += 1
         try:
             yield
         finally:
-            self._lock.release()
             with self._state:
+                self._foreground -= 1
                 self._state.notify_all()
+
+    def idle(self) -> bool:
+        """Whether no foreground call of any window is in progress or waiting."""
+        return self._foreground == 0
+
+    def wait(self, seconds: float) -> None:
+        with self._state:
+            self._state.wait(seconds)
+
+
+class WindowGate:
+    """One lock per window (shared by its forks, which share its chunks): its foreground calls hold it
+    (re-entrant) and exclude each other and its background work; background work takes it one task at a
+    time, only while no foreground call of any window on the engine is in progress or waiting. Calls of
+    different windows run at once; their forwards meet in the engine's scheduler, which runs them."""
+
+    def __init__(self, engine: EngineGate) -> None:
+        self.engine = engine
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        with self.engine._counted(), self._lock:
+            yield
 
     @contextmanager
     def background(self) -> Iterator[bool]:
-        """Yields True with the lock held when no foreground call is waiting, else False at once."""
+        """Yields True with the lock held when no foreground call waits or runs on the engine, else False
+        at once."""
         got = False
-        with self._state:
-            if self._waiting == 0:
+        with self.engine._state:
+            if self.engine.idle():
                 got = self._lock.acquire(blocking=False)
         try:
             yield got
@@ -144,8 +172,7 @@ class EngineGate:
                 self._lock.release()
 
     def wait(self, seconds: float) -> None:
-        with self._state:
-            self._state.wait(seconds)
+        self.engine.wait(seconds)
 
 
 _GATES: weakref.WeakKeyDictionary[Engine, EngineGate] = weakref.WeakKeyDictionary()
@@ -165,7 +192,7 @@ class IdleWorker:
     """Runs a window's queued work on a daemon thread while the engine has no foreground call (automatic
     mode). ``step`` is the window's (weakly held) method that runs one task and says whether it did."""
 
-    def __init__(self, gate: EngineGate, step: Callable[[], bool | None]) -> None:
+    def __init__(self, gate: WindowGate, step: Callable[[], bool | None]) -> None:
         self._gate = gate
         self._step = step
         self._wake = threading.Event()

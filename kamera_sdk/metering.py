@@ -2,9 +2,9 @@
 
 The engine counts every forward it runs and the tokens it ran (``engine.counters``), for every window
 on it. A window's ``forwards`` and token counts are the differences of those counters around its own
-calls, so they count what the engine did, not what the window meant to do. Calls on one engine run one
-at a time (the server runs them on a single model thread), so a difference belongs to the call it
-brackets.
+calls, so they count what the engine did, not what the window meant to do. A call runs on one thread and
+the engine also counts per thread (``Engine.thread_counters``), so the differences of the calling thread's
+counters belong to the call they bracket, even while other windows' calls run on other threads.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class EngineMeter:
         """Count the engine's forwards and tokens inside the block as ``work`` (less what the block
         ``move``s to other work). Work done before an error still counts."""
         self.engine.anchor_kv  # noqa: B018  the engine's own, computed once for every window: never one's work
-        counters = self.engine.counters
+        counters = self.engine.thread_counters  # this call's thread: other windows' calls run at once
         forwards, tokens = counters.forwards, counters.tokens_prefilled
         measured = Measured()
         try:

@@ -67,7 +67,8 @@ _R = TypeVar("_R")
 
 
 def foreground(*, drain: bool = True) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """A foreground call: it holds the engine's gate (background work stops at its next forward boundary)
+    """A foreground call: it holds the window's gate (background work of every window on the engine stops
+    at its next forward boundary; other windows' foreground calls run at once)
     and, with ``drain``, first finishes the window's queued work that later results depend on, so that
     what the idle time reached changes only latency."""
 
@@ -157,7 +158,8 @@ class ContextWindow:
         if store is not None:
             self.store = open_store(default_store_path() if store == "default" else store)
         self._table = ChunkTable()  # shared by every branch
-        self._gate = gate_of(engine)  # one per engine: foreground calls first, background work between them
+        # one per window and its forks; foreground calls of any window go before background work of any
+        self._gate = gate_of(engine).window()
         self._open_branch(resolved, WindowState())
 
     def _open_branch(self, policy: ReusePolicy, state: WindowState, *, forked: bool = False) -> None:
