@@ -1,12 +1,13 @@
 """The engine server: one engine behind an HTTP API where sessions are windows.
 
 ``create_app(engine)`` returns a FastAPI app. Requests are handled concurrently on the event loop;
-all window and model work runs on one worker thread (``worker.py``), one job at a time. With batching
-(the default for engines whose forwards can be packed), every session's answer is a request of the
-engine's ``Scheduler``, which the worker thread steps between jobs: all running answers decode together,
-one batched forward per step, and a job's own forwards ride in a step with them; an answer streams from
-its request without holding the thread. With ``batch=False``, decoding is pulled one token per job so
-concurrent sessions interleave. Endpoints (JSON; errors as
+window work runs on the worker (``worker.py``). With batching (the default for engines whose forwards
+can be packed), each session's jobs run in its own lane on a pool of window threads (one job of a session
+at a time, several sessions at once), every session's answer is a request of the engine's ``Scheduler``,
+and one model thread steps it: all running answers decode together, one batched forward per step, and
+the window forwards of every session's jobs (new pages, prompts) are rows of the same steps; an answer
+streams from its request without holding a thread. With ``batch=False``, one thread runs every job in
+order and decoding is pulled one token per job so concurrent sessions interleave. Endpoints (JSON; errors as
 ``{"error": {"type", "message"}}``, see ``errors.py``)::
 
     GET    /healthz                         liveness (no API key needed)
@@ -290,7 +291,7 @@ def create_app(
     @app.get("/v1/sessions/{session_id}", response_model=WindowState)
     async def get_session(session_id: str) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run(ops.window_state, s.id, s.window)
+        return await worker.run_keyed(s.id, ops.window_state, s.id, s.window)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(session_id: str) -> Response:
@@ -300,13 +301,13 @@ def create_app(
     @app.get("/v1/sessions/{session_id}/stats", response_model=WindowStats)
     async def stats(session_id: str) -> WindowStats:
         s = sessions.get(session_id)
-        return await worker.run(s.window.stats)
+        return await worker.run_keyed(s.id, s.window.stats)
 
     # --- chunk operations ------------------------------------------------------------------------
     @app.post("/v1/sessions/{session_id}/chunks", response_model=ChunkAdded, status_code=201)
     async def add_chunk(session_id: str, req: ChunkAdd) -> ChunkAdded:
         s = sessions.get(session_id)
-        cid, window = await worker.run(ops.add_chunk, s.id, s.window, req, limits)
+        cid, window = await worker.run_keyed(s.id, ops.add_chunk, s.id, s.window, req, limits)
         return ChunkAdded(chunk=cid, window=window)
 
     def _then_state(s: Session, fn: Any, *args: Any) -> WindowState:
@@ -316,17 +317,17 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/evict", response_model=WindowState)
     async def evict(session_id: str, req: ChunkRef) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run(_then_state, s, s.window.evict, req.chunk)
+        return await worker.run_keyed(s.id, _then_state, s, s.window.evict, req.chunk)
 
     @app.post("/v1/sessions/{session_id}/recall", response_model=WindowState)
     async def recall(session_id: str, req: RecallRequest) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run(_then_state, s, s.window.recall, req.chunk, req.at)
+        return await worker.run_keyed(s.id, _then_state, s, s.window.recall, req.chunk, req.at)
 
     @app.post("/v1/sessions/{session_id}/reorder", response_model=WindowState)
     async def reorder(session_id: str, req: ReorderRequest) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run(_then_state, s, s.window.reorder, req.order)
+        return await worker.run_keyed(s.id, _then_state, s, s.window.reorder, req.order)
 
     @app.post("/v1/sessions/{session_id}/slide", response_model=SlideResult)
     async def slide(session_id: str, req: SlideRequest | None = None) -> SlideResult:
@@ -337,21 +338,22 @@ def create_app(
             removed = [str(c) for c in s.window.slide(req.n)]
             return SlideResult(removed=removed, window=ops.window_state(s.id, s.window))
 
-        return await worker.run(job)
+        return await worker.run_keyed(s.id, job)
 
     @app.post("/v1/sessions/{session_id}/fork", response_model=SessionCreated, status_code=201)
     async def fork(session_id: str, _: ForkRequest | None = None) -> SessionCreated:
         s = sessions.get(session_id)
         sessions.reserve()  # before the fork: a refused fork leaves nothing behind
-        child_window = await worker.run(s.window.fork)
+        child_window = await worker.run_keyed(s.id, s.window.fork)
         child = sessions.add(child_window)
-        return SessionCreated(id=child.id, window=await worker.run(ops.window_state, child.id, child_window))
+        state_now = await worker.run_keyed(child.id, ops.window_state, child.id, child_window)
+        return SessionCreated(id=child.id, window=state_now)
 
     # --- using the window ------------------------------------------------------------------------
     @app.post("/v1/sessions/{session_id}/logprobs", response_model=LogprobsResult)
     async def logprobs(session_id: str, req: LogprobsRequest) -> LogprobsResult:
         s = sessions.get(session_id)
-        return await worker.run(ops.logprobs, s.window, req.prompt, req.top_k)
+        return await worker.run_keyed(s.id, ops.logprobs, s.window, req.prompt, req.top_k)
 
     @app.post(
         "/v1/sessions/{session_id}/generate",
@@ -364,10 +366,10 @@ def create_app(
         pieces, first = await worker.run_keyed(s.id, ops.start_generate, s.window, req)
         if req.stream:
             return StreamingResponse(
-                _sse_generate(worker, pieces, first), media_type="text/event-stream", headers=_SSE_HEADERS
+                _sse_generate(worker, pieces, first, s.id), media_type="text/event-stream", headers=_SSE_HEADERS
             )
         text = [first] if first is not None else []
-        text += await _collect(request, worker.iterate(pieces))
+        text += await _collect(request, worker.iterate(pieces, key=s.id))
         return GenerateResult(text="".join(text), tokens=pieces.tokens, finish_reason=_finish(pieces))
 
     # --- OpenAI-compatible -----------------------------------------------------------------------
@@ -429,7 +431,9 @@ def _finish(pieces: TextStream) -> Any:
     return pieces.finish_reason or "stop"  # None only if decoding was cut short
 
 
-async def _sse_generate(worker: ModelWorker, pieces: TextStream, first: str | None) -> AsyncIterator[bytes]:
+async def _sse_generate(
+    worker: ModelWorker, pieces: TextStream, first: str | None, key: str
+) -> AsyncIterator[bytes]:
     """``token`` events with each piece, then ``done`` with the whole text, the tokens decoded and the
     finish reason, or ``error``."""
     text: list[str] = []
@@ -437,7 +441,7 @@ async def _sse_generate(worker: ModelWorker, pieces: TextStream, first: str | No
         if first is not None:
             text.append(first)
             yield encode_event({"text": first}, "token")
-        async for piece in worker.iterate(pieces):
+        async for piece in worker.iterate(pieces, key=key):
             text.append(piece)
             yield encode_event({"text": piece}, "token")
         done = {"text": "".join(text), "tokens": pieces.tokens, "finish_reason": _finish(pieces)}
