@@ -81,6 +81,7 @@ class SchedulerStats(BaseModel):
     carried_steps: int = 0  # steps that held window forwards' rows
     carried_rows_total: int = 0  # window forwards' rows summed over those steps (chunks count one each)
     carried_rows_max: int = 0  # most window forwards' rows in one step
+    carried_waiting: int = 0  # window forwards waiting for or running in steps now
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
     slab_rows: int = 0  # decoding requests whose KV sits in the decode slab now (attended in one call)
@@ -774,6 +775,7 @@ class Scheduler:
             s.slab_bytes = self._slab.nbytes
             s.running = len(self._running)
             s.waiting = len(self._waiting)
+            s.carried_waiting = len(self._carried)
         return s
 
 
