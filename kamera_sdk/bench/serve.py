@@ -5,7 +5,8 @@ in 1, 8, 32 concurrent sessions, each session runs an agent-like loop per round:
 result of about 56 tokens), ask for a one-sentence answer about it (streamed, ``max_new_tokens`` 48, or
 32 with ``quick``), then slide the oldest page out once the window holds three. Per mode and N:
 tokens/s and requests/s over the run, TTFT and latency p50/p95 of the answers, mean answer length, the
-process's peak RSS and, batched, the scheduler's batch sizes, carried window forwards and peak KV bytes.
+process's peak RSS and, batched, the scheduler's batch sizes, window forwards batched (and how many
+sessions' window forwards shared a step) or run alone, and peak KV bytes.
 
 The run also measures the ceiling batching has on this machine (``ceiling``): one decode step of 1, 8
 and 32 rows against one row (the decode-only speedup; rows in a decode slab as the scheduler runs them,
@@ -236,7 +237,11 @@ def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8,
                     s = sched.stats()
                     row[mode]["batch_mean"] = s.batch_mean
                     row[mode]["batch_max"] = s.batch_max
-                    row[mode]["carried_forwards"] = s.carried
+                    row[mode]["carried_forwards"] = s.carried  # window forwards batched with other rows
+                    row[mode]["carried_alone"] = s.carried_alone  # window forwards with nothing to share
+                    # window forwards' rows per step that held any: several sessions' pages in one forward
+                    row[mode]["window_rows_mean"] = s.carried_rows_total / s.carried_steps if s.carried_steps else 0.0
+                    row[mode]["window_rows_max"] = s.carried_rows_max
                     row[mode]["kv_bytes_peak"] = s.kv_bytes_peak
                     row[mode]["queue_wait_s_max"] = s.queue_wait_s_max
         sessions[str(n)] = row
