@@ -431,9 +431,7 @@ def _finish(pieces: TextStream) -> Any:
     return pieces.finish_reason or "stop"  # None only if decoding was cut short
 
 
-async def _sse_generate(
-    worker: ModelWorker, pieces: TextStream, first: str | None, key: str
-) -> AsyncIterator[bytes]:
+async def _sse_generate(worker: ModelWorker, pieces: TextStream, first: str | None, key: str) -> AsyncIterator[bytes]:
     """``token`` events with each piece, then ``done`` with the whole text, the tokens decoded and the
     finish reason, or ``error``."""
     text: list[str] = []

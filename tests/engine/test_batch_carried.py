@@ -130,7 +130,7 @@ def test_a_window_forward_over_the_step_budget_is_chunked(engine: Engine) -> Non
 
 
 def test_a_lone_window_forward_is_the_unbatched_forward_exactly(engine: Engine) -> None:
-    (ids, past, start, logits), = _cases(engine, 2)[1:]
+    ((ids, past, start, logits),) = _cases(engine, 2)[1:]
     want = engine.forward(ids, past, start, logits=logits)
     sched = Scheduler(engine)
     with sched.driving():
