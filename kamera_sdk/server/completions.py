@@ -184,15 +184,15 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     engine, worker = state.engine, state.worker
     params = sampling(req, state.limits)
     window = state.sessions.get(req.session).window if req.session is not None else None
-    started = await worker.run(start_completion, engine, window, req, params)
+    started = await worker.run_keyed(req.session, start_completion, engine, window, req, params)
     cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = _prompt_text(engine, req, started) if req.echo else ""
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _sse(worker, started, cid, created, engine.name, head, include_usage)
+        body = _sse(worker, started, cid, created, engine.name, head, include_usage, req.session)
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
     pieces = [started.first] if started.first is not None else []
-    async with aclosing(worker.iterate(started.pieces)) as rest:
+    async with aclosing(worker.iterate(started.pieces, key=req.session)) as rest:
         async for piece in rest:
             pieces.append(piece)
             if await request.is_disconnected():
@@ -200,14 +200,21 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     text = "".join(pieces)
     logprobs = None
     if req.logprobs is not None:
-        logprobs = await worker.run(score, engine, started, text, req.logprobs, req.echo)
+        logprobs = await worker.run_keyed(req.session, score, engine, started, text, req.logprobs, req.echo)
     finish = started.pieces.finish_reason or "stop"
     choice = CompletionChoice(text=head + text, finish_reason=finish, logprobs=logprobs)
     return Completion(id=cid, created=created, model=engine.name, choices=[choice], usage=_usage(started))
 
 
 async def _sse(
-    worker: Any, started: CompletionStart, cid: str, created: int, model: str, head: str, include_usage: bool
+    worker: Any,
+    started: CompletionStart,
+    cid: str,
+    created: int,
+    model: str,
+    head: str,
+    include_usage: bool,
+    session: str | None,
 ) -> AsyncIterator[bytes]:
     """OpenAI's stream: a chunk per text piece, a finish chunk, optionally usage, then ``[DONE]``."""
 
@@ -221,7 +228,7 @@ async def _sse(
             yield chunk(head)
         if started.first is not None:
             yield chunk(started.first)
-        async for piece in worker.iterate(started.pieces):
+        async for piece in worker.iterate(started.pieces, key=session):
             yield chunk(piece)
         yield chunk("", started.pieces.finish_reason or "stop")
         if include_usage:
