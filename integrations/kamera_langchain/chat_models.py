@@ -33,7 +33,6 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from kamera_sdk import (
-    JSON_MODE_PROMPT,
     POLICIES,
     ChatFormat,
     ChunkStore,
@@ -45,8 +44,8 @@ from kamera_sdk import (
     SamplingParams,
     TextStream,
     WindowConfig,
+    answer_prompt,
     open_store,
-    tools_prompt,
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
@@ -315,9 +314,8 @@ class ChatKamera(BaseChatModel):
     def _texts(self, messages: Sequence[BaseMessage], shape: AnswerShape, fmt: ChatFormat) -> list[str]:
         """The call's chunk texts: the tools' description turn (when it may call tools) or JSON mode's rule,
         then each message."""
-        head = [fmt.render("system", tools_prompt(shape.tools, shape.choice))] if shape.calls_tools else []
-        if shape.json_mode:
-            head = [fmt.render("system", JSON_MODE_PROMPT)]
+        about = answer_prompt(shape.tools, shape.choice, json_mode=shape.json_mode)  # as the server's chat endpoint
+        head = [fmt.render("system", about)] if about is not None else []
         return head + [fmt.render(message_role(m), message_text(m)) for m in messages]
 
     # --- tools and structured output -----------------------------------------------------------
