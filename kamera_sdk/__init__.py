@@ -32,6 +32,7 @@ from kamera_engine import (
     WindowOperationError,
 )
 
+from .auto_tools import AUTO_TOOL_POLICIES, relevant_tools, text_grammar, tool_relevance
 from .chat_format import ChatFormat
 from .chunks import ChunkId
 from .config import WindowConfig
@@ -74,6 +75,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AUTO_TOOL_POLICIES",
     "JSON_MODE_PROMPT",
     "KV",
     "POLICIES",
@@ -122,6 +124,9 @@ __all__ = [
     "open_store",
     "parse_tool_call",
     "register_policy",
+    "relevant_tools",
+    "text_grammar",
     "tool_grammar",
+    "tool_relevance",
     "tools_prompt",
 ]
