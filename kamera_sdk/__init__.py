@@ -32,6 +32,7 @@ from kamera_engine import (
     WindowOperationError,
 )
 
+from .auto_tools import AUTO_TOOL_POLICIES, relevant_tools, text_grammar, tool_relevance
 from .chat_format import ChatFormat
 from .chunks import ChunkId
 from .config import WindowConfig
@@ -44,6 +45,7 @@ from .tools import (
     JSON_MODE_PROMPT,
     ToolCall,
     ToolSpec,
+    answer_prompt,
     closed_schema,
     json_grammar,
     parse_tool_call,
@@ -73,6 +75,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AUTO_TOOL_POLICIES",
     "JSON_MODE_PROMPT",
     "KV",
     "POLICIES",
@@ -114,12 +117,16 @@ __all__ = [
     "WindowOperationError",
     "WindowStats",
     "__version__",
+    "answer_prompt",
     "closed_schema",
     "create_app",
     "json_grammar",
     "open_store",
     "parse_tool_call",
     "register_policy",
+    "relevant_tools",
+    "text_grammar",
     "tool_grammar",
+    "tool_relevance",
     "tools_prompt",
 ]

@@ -131,6 +131,18 @@ JSON_MODE_PROMPT = (
 )
 
 
+def answer_prompt(tools: Sequence[ToolSpec] = (), choice: str = "auto", *, json_mode: bool = False) -> str | None:
+    """The system turn an answer's shape puts in front of the conversation, or None: the tools' description
+    when the model may call ``tools``, JSON mode's rule for a ``json_object`` answer, nothing otherwise (a
+    schema-held answer needs no words: the schema itself decides its keys). The server's chat endpoint and
+    ``ChatKamera`` both ask this, so one conversation reads the same to the model on either."""
+    if tools and json_mode:
+        raise InvalidInputError("pass tools or a JSON response_format, not both")
+    if tools:
+        return tools_prompt(tools, choice)
+    return JSON_MODE_PROMPT if json_mode else None
+
+
 def tools_prompt(tools: Sequence[ToolSpec], choice: str) -> str:
     """The system turn that tells the model which tools it has and how a call is written."""
     lines = [json.dumps(t.model_dump(), separators=(",", ":"), ensure_ascii=False) for t in tools]

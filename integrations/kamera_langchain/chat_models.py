@@ -15,6 +15,7 @@ hold the message list with the same reuse, so several agents and apps share one 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import weakref
@@ -24,7 +25,7 @@ from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolCall
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolCall
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
@@ -33,7 +34,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from kamera_sdk import (
-    JSON_MODE_PROMPT,
+    AUTO_TOOL_POLICIES,
     POLICIES,
     ChatFormat,
     ChunkStore,
@@ -45,8 +46,11 @@ from kamera_sdk import (
     SamplingParams,
     TextStream,
     WindowConfig,
+    answer_prompt,
     open_store,
-    tools_prompt,
+    relevant_tools,
+    text_grammar,
+    tool_grammar,
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
@@ -130,8 +134,11 @@ class ChatKamera(BaseChatModel):
     None: the embedded default SmolLM2-135M-Instruct) is loaded on first use. ``policy``/``rank``/
     ``budget_tokens`` configure each window; ``store`` (a path, a ``redis://`` URL, ``"default"`` or a
     ``ChunkStore``) keeps canonicals and patches across windows and processes. ``base_url`` (with ``api_key``)
-    runs every window on a ``kamera serve`` server instead of loading a model here. Pass ``session_id="..."``
-    per call (or in the run metadata, ``session_id`` or ``thread_id``) to keep conversations apart.
+    runs every window on a ``kamera serve`` server instead of loading a model here. ``auto_tool_policy``: who
+    decides between a call and text under ``tool_choice="auto"`` (``"relevance"``: the tools' relevance to the
+    request in the model's likelihoods, ``kamera_sdk.auto_tools``; ``"model"``: its first token).
+    Pass ``session_id="..."`` per call (or in the run metadata, ``session_id`` or ``thread_id``) to keep
+    conversations apart.
 
     Example:
         .. code-block:: python
@@ -161,6 +168,12 @@ class ChatKamera(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     streaming: bool = False
+    auto_tool_policy: str = Field(
+        default="relevance",
+        description="who decides between a call and text under tool_choice='auto': 'relevance' (the tools' "
+        "relevance to the request in the model's own likelihoods, decided before decoding) or 'model' (the "
+        "model's first token under a call-or-text grammar)",
+    )
     session_id: str = Field(default="default", description="session used when a call names none")
     store: str | ChunkStore | None = Field(
         default=None, exclude=True, description="in-process windows share this store (path, URL or ChunkStore)"
@@ -180,6 +193,13 @@ class ChatKamera(BaseChatModel):
     def _known_policy(cls, v: str) -> str:
         if v not in POLICIES:
             raise ValueError(f"unknown policy {v!r}; registered: {sorted(POLICIES)}")
+        return v
+
+    @field_validator("auto_tool_policy")
+    @classmethod
+    def _known_auto_policy(cls, v: str) -> str:
+        if v not in AUTO_TOOL_POLICIES:
+            raise ValueError(f"auto_tool_policy must be one of {AUTO_TOOL_POLICIES}, got {v!r}")
         return v
 
     @model_validator(mode="after")
@@ -315,9 +335,8 @@ class ChatKamera(BaseChatModel):
     def _texts(self, messages: Sequence[BaseMessage], shape: AnswerShape, fmt: ChatFormat) -> list[str]:
         """The call's chunk texts: the tools' description turn (when it may call tools) or JSON mode's rule,
         then each message."""
-        head = [fmt.render("system", tools_prompt(shape.tools, shape.choice))] if shape.calls_tools else []
-        if shape.json_mode:
-            head = [fmt.render("system", JSON_MODE_PROMPT)]
+        about = answer_prompt(shape.tools, shape.choice, json_mode=shape.json_mode)  # as the server's chat endpoint
+        head = [fmt.render("system", about)] if about is not None else []
         return head + [fmt.render(message_role(m), message_text(m)) for m in messages]
 
     # --- tools and structured output -----------------------------------------------------------
@@ -397,12 +416,28 @@ class ChatKamera(BaseChatModel):
         session, sampling, shape = self._session_and_sampling(stop, run_manager, kwargs)
         engine, fmt = self._chat()
         texts = self._texts(messages, shape, fmt)  # raises on image parts before anything changes
+        if shape.calls_tools and shape.choice == "auto" and self.auto_tool_policy == "relevance":
+            shape = self._auto_decided(messages, shape, engine, fmt)
         conv, prompt = self._conversation(session), engine.tokenize(fmt.generation)
         win = conv.window
         if win.config.budget_tokens is None:  # the window will hold exactly these messages: fit them now
             held = len(win.engine.anchor_ids) + sum(len(win.engine.tokenize(t)) for t in texts)
             win.engine.check_length(held + len(prompt), new_tokens=sampling["max_new_tokens"])
         return _Call(conv, texts, prompt, {**sampling, "grammar": shape.grammar}, session, shape=shape)
+
+    def _auto_decided(
+        self, messages: Sequence[BaseMessage], shape: AnswerShape, engine: Engine, fmt: ChatFormat
+    ) -> AnswerShape:
+        """``tool_choice="auto"`` under the ``relevance`` policy (``kamera_sdk.auto_tools``): a call of one of
+        the tools relevant to the last user message and not called since it, or text when none is left. The
+        tools turn stays as it is (the same chunk); only the grammar changes."""
+        last = max((i for i, m in enumerate(messages) if isinstance(m, HumanMessage)), default=None)
+        if last is None:  # no request to measure relevance against: the model decides
+            return shape
+        called = [c["name"] for m in messages[last + 1 :] if isinstance(m, AIMessage) for c in m.tool_calls]
+        relevant = relevant_tools(engine, fmt.render, message_text(messages[last]), shape.tools, called)
+        grammar = tool_grammar(relevant, "required") if relevant else text_grammar()
+        return dataclasses.replace(shape, grammar=grammar)
 
     def _decode(self, call: _Call) -> Iterator[str]:
         """Bring the window to the message list, then stream the reply (the session is locked meanwhile)."""

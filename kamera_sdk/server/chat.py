@@ -25,7 +25,7 @@ from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
 from kamera_engine.decode import TextStream
 
 from ..chat_format import OpenTurnFormat
-from ..tools import ToolCall, ToolSpec, closed_schema, json_grammar, parse_tool_call, tool_grammar, tools_prompt
+from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .ops import Limits, add_image, check_tokens, decode_image, first_piece, sampling_params
@@ -181,6 +181,11 @@ def answer_grammar(req: ChatCompletionRequest) -> Grammar | None:
     return json_grammar(req.response_format.json_schema.schema_)
 
 
+def json_mode(req: ChatCompletionRequest) -> bool:
+    """The answer is any JSON object (``response_format: {"type": "json_object"}``)."""
+    return req.response_format is not None and req.response_format.type == "json_object"
+
+
 def tool_choice_name(req: ChatCompletionRequest) -> str:
     """``"auto"``, ``"required"`` or the name of the one tool the request forces."""
     choice = req.tool_choice
@@ -220,9 +225,8 @@ def start_chat(
     """
     fmt = turn_format(engine)
     items = [item for m in req.messages[:-1] for item in message_items(m, limits, fmt)]
-    tools = request_tools(req)
-    if tools:  # the grammar makes a call valid; this turn tells the model which tools it has and how to call
-        about = tools_prompt(tools, tool_choice_name(req))
+    about = answer_prompt(request_tools(req), tool_choice_name(req), json_mode=json_mode(req))
+    if about is not None:  # the tools and how to call them, or JSON mode's rule: a system turn before the messages
         items.insert(0, fmt.turn("system", about) if fmt is not None else f"system: {about}\n\n")
     last = req.messages[-1]
     prompt = prompt_text(last) if last.name is None else f"{last.name}: {prompt_text(last)}"

@@ -57,8 +57,11 @@ def test_every_operation(live: LiveServer) -> None:
             assert isinstance(child.generate(QUESTION, max_new_tokens=4), str)
         finally:
             child.close()
-        with pytest.raises(SessionNotFoundError):
-            RemoteWindow(live.url, api_key=live.api_key, session_id=child.id).chunks  # noqa: B018
+        with (
+            pytest.raises(SessionNotFoundError),
+            RemoteWindow(live.url, api_key=live.api_key, session_id=child.id) as gone,
+        ):
+            gone.chunks  # noqa: B018
         out = win.generate(QUESTION, max_new_tokens=4)
         stats = win.stats()
         assert isinstance(out, str) and isinstance(stats, WindowStats)

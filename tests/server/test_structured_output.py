@@ -8,6 +8,7 @@ import jsonschema
 import openai
 import pytest
 
+from kamera_sdk import JSON_MODE_PROMPT
 from tests.server.conftest import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,24 @@ def test_json_object_response_is_an_object(client: openai.OpenAI) -> None:
     )
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_json_mode_states_its_rule_as_chatkamera_does(client: openai.OpenAI) -> None:
+    """JSON mode puts the same system turn before the messages as ``ChatKamera`` (``answer_prompt``): the
+    answer equals a ``{"type": "object"}`` schema's answer to the messages with that turn written out."""
+    joke = "Tell me a joke about cats. Return the result as a JSON with 'setup' and 'punchline' keys."
+    mode = client.chat.completions.create(
+        model="kamera", messages=ask(joke), max_tokens=60, response_format={"type": "json_object"}
+    )
+    spelled = client.chat.completions.create(
+        model="kamera",
+        messages=[{"role": "system", "content": JSON_MODE_PROMPT}, *ask(joke)],
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "any", "schema": {"type": "object"}}},
+    )
+    assert mode.usage.prompt_tokens == spelled.usage.prompt_tokens
+    assert mode.choices[0].message.content == spelled.choices[0].message.content
+    assert isinstance(json.loads(mode.choices[0].message.content), dict)
 
 
 def test_required_tool_call(client: openai.OpenAI) -> None:
