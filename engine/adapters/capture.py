@@ -66,11 +66,12 @@ def is_recording() -> bool:
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def rope_with_recorders(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *a: Any, **kw: Any):
-        out = original(q, k, cos, sin, *a, **kw)
+    def rope_with_recorders(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
         recorders = _ACTIVE.get()
-        if recorders:
-            call = RopeCall(original, q, k, cos, sin, a, kw, out)
+        if recorders and len(args) >= 4:  # (q, k, cos, sin, ...) as transformers calls it; else not recorded
+            q, k, cos, sin = args[:4]
+            call = RopeCall(original, q, k, cos, sin, tuple(args[4:]), kwargs, out)
             for record in recorders:
                 record(call)
         return out
