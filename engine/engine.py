@@ -7,6 +7,7 @@ nothing about chunks, windows or policies (that is ``kamera_sdk``).
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
 import time
@@ -22,6 +23,7 @@ from torch import nn
 from . import compressed
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
+from .adapters.capture import PreRopeKeys, is_recording, recording
 from .constrained import TokenConstraint
 from .decode import SamplingParams, TextStream, decode_tokens
 from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
@@ -29,11 +31,16 @@ from .fingerprint import engine_fingerprint
 from .kv import KV, Past
 from .loading import LoadSettings, ModelSource, load_engine
 from .operator import Patch
-from .rope import RopeSpec
+from .rope import HALF_DTYPES, RopeSpec, check_rotation
 from .runner import ForwardResult, Prefilled, run_forward
 from .scheduler import active_scheduler
 
 _SENTINEL = "\u2063KAMERA\u2063"
+
+log = logging.getLogger(__name__)
+
+#: where ``Engine.canonical`` takes a chunk's position-free keys from (docs/gpu.md, "bf16 and fp16")
+CANONICAL_SOURCES = ("pre_rope", "unrotation")
 
 
 class EngineInfo(BaseModel):
@@ -97,16 +104,21 @@ class Engine:
         self.adapter: ModelAdapter = adapter_for(model.config, self.name)
         self.attention = attention or str(getattr(model.config, "_attn_implementation", None) or "sdpa")
         self.counters = EngineCounters()
-        probe = self._probe_shapes()
-        self.num_layers, self.num_kv_heads, self.key_dim, self.value_dim = probe
+        probe, probe_keys = self._probe()
+        n_layers, _, n_heads, dk = probe.keys.shape
+        self.num_layers, self.num_kv_heads, self.key_dim = int(n_layers), int(n_heads), int(dk)
+        self.value_dim = int(probe.values.shape[-1])
         self.rope: RopeSpec = self.adapter.rope_spec(model, self.key_dim)
         #: the cache holds the rotated band in its value slot (MLA's ``k_pe``), declared by the adapter
         self.rope_in_values: bool = self.adapter.rope_in_values
         #: the spec the operator rotates with: ``rope``, or the value slot's own when ``rope_in_values``
         self.operator_rope: RopeSpec = self._operator_rope()
         self.context_length = self.adapter.context_length()
-        #: the arithmetic a placement rotates keys with, ``rope.ROTATIONS`` (docs/gpu.md, "bf16 and fp16")
-        self.rotation: str = "exact"
+        self._rotation: str | None = None
+        self._pre_rope_reason = self._check_pre_rope(probe, probe_keys)
+        self._canonical_source = "pre_rope" if self._pre_rope_reason is None else "unrotation"
+        if self._pre_rope_reason is not None:
+            log.info("%s: canonicals by un-rotation: %s", self.name, self._pre_rope_reason)
         if anchor_ids is not None:
             self.anchor_ids = [int(i) for i in anchor_ids]
             self.prompt_suffix_ids: list[int] = []
@@ -160,11 +172,89 @@ class Engine:
             raise UnsupportedModelError(f"{self.name}: RoPE band of {r} features != cached {self.value_dim}")
         return RopeSpec(self.rope.inv_freq, r, r, self.rope.rope_type, self.rope.style)
 
-    def _probe_shapes(self) -> tuple[int, int, int, int]:
-        """Layers, KV heads and key/value dims, read off a one-token forward (family independent)."""
-        res = run_forward(self.model, torch.tensor([0]), None, 0, logits="none")
-        n_layers, _, n_heads, dk = res.kv.keys.shape
-        return int(n_layers), int(n_heads), int(dk), int(res.kv.values.shape[-1])
+    def _probe(self) -> tuple[KV, PreRopeKeys]:
+        """A one-token forward at position 0 (family independent): its KV gives layers, KV heads and key/value
+        dims; the keys it handed RoPE, recorded, check the pre-RoPE capture (:meth:`_check_pre_rope`)."""
+        keys = self._pre_rope_recorder()
+        with recording(self.adapter.rope_modules(self.model), self.adapter.rope_functions, keys):
+            res = run_forward(self.model, torch.tensor([0]), None, 0, logits="none")
+        return res.kv, keys
+
+    def _pre_rope_recorder(self) -> PreRopeKeys:
+        return PreRopeKeys(self.adapter.attention_scaling(self.model))
+
+    def _check_pre_rope(self, probe: KV, keys: PreRopeKeys) -> str | None:
+        """None when the recorded keys of the probe, at angle 0, are the bits its forward wrote at position 0
+        (angle 0): the capture finds the right tensors in the cache's layout. Else why not (the family then
+        compiles canonicals by un-rotation, every time: the choice is per model, never per call)."""
+        try:
+            band = self._pre_rope_band(probe, keys)
+        except ValueError as exc:
+            return str(exc)
+        written = (probe.values if self.rope_in_values else probe.keys)[..., : self.operator_rope.rotary_dim]
+        if not torch.equal(band.to(written.device), written):
+            return "the keys handed to RoPE at angle 0 are not the keys the model writes at position 0"
+        return None
+
+    def _pre_rope_band(self, kv: KV, keys: PreRopeKeys) -> torch.Tensor:
+        """The rotary band (L, T, H, r) of ``kv``'s rotated slot at angle 0, from the keys its forward handed
+        RoPE; ``ValueError`` when the recording does not match the forward (count, heads, width)."""
+        n, r = len(kv), self.operator_rope.rotary_dim
+        slot = kv.values if self.rope_in_values else kv.keys
+        if not keys.calls:
+            names = ", ".join(self.adapter.rope_functions)
+            raise ValueError(f"no call of {names} recorded in the decoder layers' modeling module")
+        if len(keys.calls) != slot.shape[0]:
+            raise ValueError(f"{len(keys.calls)} RoPE calls recorded for {slot.shape[0]} layers")
+        rows = keys.at_angle_zero(n)
+        for row in rows:
+            if row.shape[1] != slot.shape[2] or row.shape[2] < r:
+                covered = tuple(slot.shape[1:])
+                raise ValueError(f"a recorded key {tuple(row.shape)} does not cover the band of {covered}")
+        return torch.stack([row[..., :r] for row in rows])
+
+    # --- how canonicals are compiled and placed (docs/gpu.md, "bf16 and fp16") ----------------------------------
+    @property
+    def canonical_source(self) -> str:
+        """``"pre_rope"``: a canonical's rotary band is the key its forward handed RoPE, at angle 0 (no
+        rounding lost); ``"unrotation"``: the written keys rotated back to angle 0 (``make_free``), for a
+        model whose RoPE call cannot be recorded (``canonical_source_reason`` says why). Assignable, to
+        compare the two; ``"pre_rope"`` only where the capture works."""
+        return self._canonical_source
+
+    @canonical_source.setter
+    def canonical_source(self, value: str) -> None:
+        if value not in CANONICAL_SOURCES:
+            raise InvalidInputError(f"canonical_source must be one of {', '.join(CANONICAL_SOURCES)}, got {value!r}")
+        if value == "pre_rope" and self._pre_rope_reason is not None:
+            raise UnsupportedModelError(f"{self.name}: no pre-RoPE capture: {self._pre_rope_reason}")
+        self._canonical_source = value
+
+    @property
+    def canonical_source_reason(self) -> str | None:
+        """Why this model compiles canonicals by un-rotation (None: the pre-RoPE capture works)."""
+        return self._pre_rope_reason
+
+    def default_rotation(self, dtype: torch.dtype | None = None) -> str:
+        """The rotation a placement uses unless told otherwise, for a KV of ``dtype`` (default: the model's).
+
+        float32 / float64: ``"exact"``. bf16 / fp16 with pre-RoPE canonicals: ``"model"``, the model's own
+        16-bit RoPE arithmetic, which writes the bits a prefill at the target writes (layer 0: 0 ulps), where
+        ``"exact"`` lands up to 2 ulps off them (docs/gpu.md). 16-bit canonicals by un-rotation: ``"exact"``
+        (no rotation of them is within 1 ulp; it is what the kernels compute).
+        """
+        half = (self.dtype if dtype is None else dtype) in HALF_DTYPES
+        return "model" if half and self._canonical_source == "pre_rope" else "exact"
+
+    @property
+    def rotation(self) -> str:
+        """The arithmetic a placement rotates keys with, ``rope.ROTATIONS``: :meth:`default_rotation` until
+        assigned (assign None to go back to it)."""
+        return self._rotation if self._rotation is not None else self.default_rotation()
+
+    @rotation.setter
+    def rotation(self, value: str | None) -> None:
+        self._rotation = None if value is None else check_rotation(value)
 
     def _chat_frame(self) -> tuple[list[int], list[int]]:
         """Anchor (chat template up to the user's content) and prompt suffix (after it) token ids."""
@@ -319,7 +409,9 @@ class Engine:
         """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
         self.check_ids(input_ids)
         batching = active_scheduler(self)
-        if batching is not None:  # in a step with every running decode, when some are running
+        # in a step with every running decode, when some are running; a forward whose RoPE inputs are being
+        # recorded runs alone (the recorder would see the packed rows of the other requests)
+        if batching is not None and not is_recording():
             carried = batching[0].carry(input_ids, past, start, logits)
             if carried is not None:
                 return carried
@@ -337,6 +429,12 @@ class Engine:
     def canonical(self, ids: Sequence[int], *, anchored: bool = True) -> KV:
         """KV(B | ∅): the chunk alone after the fixed anchor, position-free (keys at angle 0).
 
+        The rotary band of the keys is the one the forward handed RoPE, as the model writes it at angle 0
+        (``canonical_source == "pre_rope"``): nothing is un-rotated, so a 16-bit canonical loses no bits
+        to a rotation back. Values, and features past the band, are the written ones. A model whose RoPE
+        call cannot be recorded un-rotates the written keys (``make_free``). The forward runs alone, never
+        packed into a scheduler's step, so a canonical's bits do not depend on what else is running.
+
         ``anchored=False`` computes it with no anchor at all (the chunk's first token becomes an
         attention sink); kept for the benchmark that chooses between the two.
         """
@@ -344,8 +442,23 @@ class Engine:
             raise InvalidInputError("a chunk needs at least one token")
         past = self.anchor_kv if anchored and self.anchor_ids else None
         start = len(self.anchor_ids) if past is not None else 0
-        res = self.forward(ids, past, start, logits="none")
-        return self.make_free(res.kv.to("cpu"))
+        if self._canonical_source != "pre_rope":
+            return self.make_free(self.forward(ids, past, start, logits="none").kv.to("cpu"))
+        keys = self._pre_rope_recorder()
+        with recording(self.adapter.rope_modules(self.model), self.adapter.rope_functions, keys):
+            res = self.forward(ids, past, start, logits="none")
+        kv = res.kv.to("cpu")
+        try:
+            band = self._pre_rope_band(kv, keys).to("cpu")
+        except ValueError as exc:  # the probe passed, so the model took another path for this forward
+            log.warning("%s: canonical by un-rotation for this chunk: %s", self.name, exc)
+            return self.make_free(kv)
+        r = band.shape[-1]
+        slot = (kv.values if self.rope_in_values else kv.keys).clone()
+        slot[..., :r] = band
+        if self.rope_in_values:
+            return KV(kv.keys, slot, None, kv.deltas)
+        return KV(slot, kv.values, None, kv.deltas)
 
     # --- the operator, bound to this model's RoPE ---------------------------------------------
     # Two hooks adapt the operator to a model: ``rope_for`` (the spec for a run of tokens, a family with

@@ -14,9 +14,10 @@ then a single rotation from 0 to the target, never a chain of rotations.
 
 Two rotation arithmetics serve a placement from the position-free frame (``ROTATIONS``):
 
-* ``"exact"`` (the default): the rotation computed in float64 (reference) or float32 (serving) and rounded
-  once to the KV dtype: within one ulp of the exact rotation of the stored key.
-* ``"model"``: the model's own arithmetic in the KV dtype, as transformers' ``apply_rotary_pos_emb`` does
+* ``"exact"`` (the default for float32 KV): the rotation computed in float64 (reference) or float32
+  (serving) and rounded once to the KV dtype: within one ulp of the exact rotation of the stored key.
+* ``"model"`` (the default for bf16 / fp16 KV with pre-RoPE canonicals, ``Engine.default_rotation``): the
+  model's own arithmetic in the KV dtype, as transformers' ``apply_rotary_pos_emb`` does
   it: cos/sin of the float32 angle taken in float32 and cast to the KV dtype, then ``k cos + rot(k) sin``
   with every product and the sum rounded to the KV dtype. On a canonical holding the model's pre-RoPE
   key it writes the bits a prefill at the target writes; it is itself up to ~2 ulps from the exact

@@ -62,6 +62,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from kamera_engine.kernels.dispatch import status as gpu_kernel_status
     from kamera_engine.threads import thread_plan
 
+    from .config import WindowConfig
+
     report: dict[str, Any] = {
         "kamera": __import__("kamera_sdk").__version__,
         "python": platform.python_version(),
@@ -71,6 +73,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "flash_attn_installed": flash_attn_available(),
         "gpu_kernels": gpu_kernel_status(),
         "threads": thread_plan().as_dict(),  # the count, the OpenMP wait policy, and why
+        "window_buffer_reuse": WindowConfig.model_fields["reuse_buffer"].default,
     }
     try:
         device = resolve_device(args.device)  # known even if the model then fails to load
@@ -79,12 +82,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report["model"] = engine.info().model_dump()
         report["default_model"] = args.model is None
         report["fingerprint"] = engine.fingerprint
+        report["canonicals"] = _canonicals(engine)
         report["model_loads"] = True
     except Exception as exc:  # report, do not crash: this is the diagnostic command
         report["model_loads"] = False
         report["error"] = f"{type(exc).__name__}: {exc}"
     print_result(report, args.json, "kamera doctor")
     return 0 if report["model_loads"] else 1
+
+
+def _canonicals(engine: Any) -> dict[str, Any]:
+    """Where canonical keys come from, and the rotation placements use, per KV dtype (docs/gpu.md)."""
+    import torch
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return {
+        "key_source": "pre-RoPE capture" if engine.canonical_source == "pre_rope" else "un-rotation",
+        "fallback_reason": engine.canonical_source_reason,
+        "rotation": engine.rotation,
+        "rotation_by_dtype": {str(d).replace("torch.", ""): engine.default_rotation(d) for d in dtypes},
+        "kernels_compute": "exact",  # the fused CPU and Triton kernels; "model" runs on torch's path
+    }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

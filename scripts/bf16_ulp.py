@@ -1,12 +1,15 @@
 """Relocation against a 16-bit prefill, per layer, in ulps of the KV dtype (docs/gpu.md, "bf16 and fp16").
 
-For each model: a chunk's canonical is prefilled alone at position 0 and made position-free; the same
-chunk is prefilled alone at each target ``p`` (no other context, so its pre-RoPE keys differ from the
-canonical forward's only by rounding in deeper layers; at layer 0 they are identical). Per layer it
-reports the distance between the keys that prefill writes and:
+For each model: a chunk's canonical is prefilled alone at position 0 and made position-free, two ways
+(``Engine.canonical_source``): from the keys the forward handed RoPE (``"pre_rope"``, the default) and by
+un-rotating the keys it wrote (``"unrotation"``); the same chunk is prefilled alone at each target ``p`` (no
+other context, so its pre-RoPE keys differ from the canonical forward's only by rounding in deeper layers;
+at layer 0 they are identical). Per layer it reports the distance between the keys that prefill writes and:
 
-* ``exact``: the canonical relocated to ``p`` by the default rotation (float32, rounded once);
-* ``model``: the canonical relocated with ``rotation="model"`` (the model's own bf16 arithmetic);
+* ``exact``: the un-rotated canonical relocated to ``p`` with ``rotation="exact"`` (float32, rounded once);
+* ``model``: the un-rotated canonical relocated with ``rotation="model"`` (the model's own bf16 arithmetic);
+* ``pre_rope_canonical_exact`` / ``pre_rope_canonical_model``: the stored canonical from the pre-RoPE
+  capture (what ``Engine.canonical`` returns), relocated by ``Engine.apply`` with each rotation;
 * ``model_on_pre_rope``: ``rotation="model"`` applied to the canonical forward's pre-RoPE keys (a canonical
   that stored them bit for bit), which isolates the rotation from the canonical's own rounding;
 * ``exact_on_pre_rope``: the default rotation on those pre-RoPE keys;
@@ -22,8 +25,8 @@ Run from the repository root:
     python scripts/bf16_ulp.py --out docs/results/bf16-ulp-cpu.json      # --quick: tiny models only
 
 ``--window-steps N`` adds the window trace of ``kamera bench window`` (first N steps) on the default model,
-a ``kamera`` window against a ``recompute`` one, once per rotation (about 7 minutes per rotation at N=8 on
-two busy CPU cores).
+a ``kamera`` window against a ``recompute`` one, once per rotation, with the default (pre-RoPE) canonicals
+(about 7 minutes per rotation at N=8 on two busy CPU cores).
 """
 
 from __future__ import annotations
@@ -88,10 +91,14 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
     """Per-layer distances for one engine and chunk, at every target (worst over the targets)."""
     spec, r, n = engine.rope, engine.rope.rotary_dim, len(ids)
     with capture_pre_rope_keys(engine.model) as pre:
-        can = engine.canonical(ids, anchored=False)
+        captured = engine.canonical(ids, anchored=False)
     pre_can = _pre_rope(pre, n)
+    engine.canonical_source = "unrotation"
+    can = engine.canonical(ids, anchored=False)
+    engine.canonical_source = "pre_rope"
     layers: list[dict[str, dict[str, float]]] = [{} for _ in range(engine.num_layers)]
-    kls: dict[str, list[float]] = {"exact": [], "model": []}
+    modes = ("exact", "model", "pre_rope_canonical_exact", "pre_rope_canonical_model")
+    kls: dict[str, list[float]] = {mode: [] for mode in modes}
     prompt = ids[:8]
     for target in TARGETS:
         ref = torch.log_softmax(engine.forward(ids + prompt, None, target).logits[-1].float(), -1)
@@ -100,8 +107,11 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
         pre_tgt = _pre_rope(pre, n)
         exact = engine.apply(can, None, target, rotation="exact").keys
         model = engine.apply(can, None, target, rotation="model").keys
+        cap_exact = engine.apply(captured, None, target, rotation="exact").keys
+        cap_model = engine.apply(captured, None, target, rotation="model").keys
         for mode in kls:
-            placed = engine.apply(can, None, target, rotation=mode)
+            source, rotation = (captured, mode.rsplit("_", 1)[1]) if mode.startswith("pre_rope") else (can, mode)
+            placed = engine.apply(source, None, target, rotation=rotation)
             kls[mode].append(kl(ref, engine.next_token_logprobs(placed, prompt, target + n)))
         for layer in range(engine.num_layers):
             want = prefill[layer][..., :r]
@@ -109,6 +119,8 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
             rows = {
                 "exact": summary(exact[layer][..., :r], want),
                 "model": summary(model[layer][..., :r], want),
+                "pre_rope_canonical_exact": summary(cap_exact[layer][..., :r], want),
+                "pre_rope_canonical_model": summary(cap_model[layer][..., :r], want),
                 "model_on_pre_rope": summary(rotate_like_model(pre_can[layer], spec, target)[..., :r], want),
                 "exact_on_pre_rope": summary(rotate_keys(pre_can[layer], spec, target, exact=False)[..., :r], want),
                 "pre_rope": summary(pre_can[layer][..., :r], pre_tgt[layer][..., :r]),
@@ -137,6 +149,8 @@ def measure(engine: Engine, ids: list[int]) -> dict[str, object]:
         "rope_type": spec.rope_type,
         "rotary_dim": r,
         "head_dim": spec.head_dim,
+        "canonical_source": engine.canonical_source,
+        "default_rotation": engine.rotation,
         "attention_scaling": float(getattr(engine.adapter.rotary_module(engine.model), "attention_scaling", 1.0)),
         "tokens": n,
         "targets": list(TARGETS),

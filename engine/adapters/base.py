@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..rope import RopeSpec, check_rope_type
+from .capture import RopeCall, layer_modules, modeling_module, recording
 
 
 class ModelAdapter:
@@ -37,6 +39,9 @@ class ModelAdapter:
     #: (Multi-head Latent Attention: ``k_pe`` beside the latent). The engine's operator then rotates only
     #: the value slot and carries the key slot byte for byte; the patch still covers both.
     rope_in_values: ClassVar[bool] = False
+    #: Names of the functions, in the decoder layers' modeling module, that attention calls to rotate its
+    #: keys (``capture.py`` records the keys they are handed: ``Engine.canonical``'s pre-RoPE capture)
+    rope_functions: ClassVar[tuple[str, ...]] = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
 
     def __init__(self, config: Any, name: str | None = None) -> None:
         self.config = config
@@ -54,6 +59,14 @@ class ModelAdapter:
     def layers(self, model: nn.Module) -> nn.ModuleList:
         """The decoder layers, in order (for layer-by-layer forwards such as selective recompute)."""
         return self.decoder(model).layers
+
+    def rope_modules(self, model: nn.Module) -> tuple[ModuleType, ...]:
+        """The modeling modules whose ``rope_functions`` the decoder's attention calls."""
+        return layer_modules(self.layers(model))
+
+    def attention_scaling(self, model: nn.Module) -> float:
+        """The factor the rotary module multiplies cos and sin by (yarn's mscale; 1 for plain RoPE)."""
+        return float(getattr(self.rotary_module(model), "attention_scaling", 1.0) or 1.0)
 
     # --- checks -------------------------------------------------------------------------------
     def validate(self, config: Any) -> None:
@@ -121,31 +134,25 @@ def adapter_for(config: Any, name: str | None = None) -> ModelAdapter:
 
 # --- measurement hooks (reference for relocation exactness) -----------------------------------------
 def _modeling_module(model: nn.Module) -> Any:
-    import sys
-
-    return sys.modules[type(model).__module__]
+    return modeling_module(model)
 
 
 @contextmanager
 def capture_pre_rope_keys(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Record the keys each attention layer passes to RoPE (pre-rotation), in layer order.
+    """Record the keys each attention layer of a forward in this context passes to RoPE (pre-rotation), in
+    layer order, (B, H, T, D) each.
 
-    Scoped: the family's ``apply_rotary_pos_emb`` is wrapped for the duration and restored in
-    ``finally``. Used only to build the re-prefill reference that relocation is checked against.
+    Scoped to the calling context (``capture.recording``): forwards on other threads are not recorded, and
+    the family's ``apply_rotary_pos_emb`` is the original again once no recording is open. Used to build the
+    re-prefill reference that relocation is checked against.
     """
-    module = _modeling_module(model)
-    original = module.apply_rotary_pos_emb
     captured: list[torch.Tensor] = []
 
-    def recording(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *a: Any, **kw: Any):
-        captured.append(k.detach().clone())  # (B, H, T, D)
-        return original(q, k, cos, sin, *a, **kw)
+    def record(call: RopeCall) -> None:
+        captured.append(call.k.detach().clone())
 
-    module.apply_rotary_pos_emb = recording
-    try:
+    with recording([modeling_module(model)], ("apply_rotary_pos_emb",), record):
         yield captured
-    finally:
-        module.apply_rotary_pos_emb = original
 
 
 def reference_rotate(
@@ -165,22 +172,16 @@ def layer_cache_kwargs(adapter: ModelAdapter, cache: Any) -> dict[str, Any]:
 
 @contextmanager
 def capture_queries(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Record each attention layer's rotated queries (B, Hq, T, D), in layer order, for the duration.
+    """Record each attention layer's rotated queries (B, Hq, T, D), in layer order, for forwards in this
+    context (scoped as :func:`capture_pre_rope_keys`).
 
     Compression policies read attention statistics from them beside the attention backend (so flash
     attention can still run the forward itself).
     """
-    module = _modeling_module(model)
-    original = module.apply_rotary_pos_emb
     captured: list[torch.Tensor] = []
 
-    def recording(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *a: Any, **kw: Any):
-        q_out, k_out = original(q, k, cos, sin, *a, **kw)
-        captured.append(q_out.detach())
-        return q_out, k_out
+    def record(call: RopeCall) -> None:
+        captured.append(call.out[0].detach())
 
-    module.apply_rotary_pos_emb = recording
-    try:
+    with recording([modeling_module(model)], ("apply_rotary_pos_emb",), record):
         yield captured
-    finally:
-        module.apply_rotary_pos_emb = original

@@ -31,15 +31,16 @@ def half_engine(name: str, dtype: torch.dtype, seed: int = 0) -> Engine:
 @pytest.mark.parametrize("dtype", list(HALF), ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_relocation_rounds_once(name: str, dtype: torch.dtype) -> None:
-    """Serving (float32) and reference (float64) relocation of a 16-bit canonical: within one ulp of the exact
-    rotation of the stored key; values and the unrotated features are carried bit for bit."""
+    """Serving (float32, ``rotation="exact"``) and reference (float64) relocation of a 16-bit canonical: within
+    one ulp of the exact rotation of the stored key; values and the unrotated features are carried bit for bit.
+    (The 16-bit default, ``"model"``, is judged against the prefill instead: ``test_prerope_canonical.py``.)"""
     engine = half_engine(name, dtype)
     can = engine.canonical(random_ids(24, seed=2))
     assert can.keys.dtype == dtype
     r = engine.rope.rotary_dim
     for target in TARGETS:
         exact = rotate_keys(can.keys.double(), engine.rope, target, None)  # float64, never rounded
-        for placed in (engine.apply(can, None, target), engine.relocate(can, target)):
+        for placed in (engine.apply(can, None, target, rotation="exact"), engine.relocate(can, target)):
             assert placed.keys.dtype == dtype
             err = (placed.keys.double() - exact).abs()
             worst = (err / ulp(exact, dtype)).max().item()
@@ -78,8 +79,8 @@ def test_bf16_relocation_against_a_bf16_prefill_at_the_target(name: str) -> None
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16], ids=["f32-factors", "bf16-factors"])
 @pytest.mark.parametrize("dtype", list(HALF), ids=["bf16", "fp16"])
 def test_patched_apply_rounds_once(dtype: torch.dtype, factor_dtype: torch.dtype) -> None:
-    """``R · (canonical + U V^T)`` on 16-bit KV: within one ulp of the float64 result on the same inputs, for
-    keys and values; ``reconstruct`` likewise."""
+    """``R · (canonical + U V^T)`` on 16-bit KV (``rotation="exact"``): within one ulp of the float64 result on
+    the same inputs, for keys and values; ``reconstruct`` likewise."""
     engine = half_engine("qwen2", dtype)
     a, b = random_ids(20, seed=1), random_ids(16, seed=2)
     can = engine.canonical(b)
@@ -90,7 +91,7 @@ def test_patched_apply_rounds_once(dtype: torch.dtype, factor_dtype: torch.dtype
     c64 = type(can)(can.keys.double(), can.values.double(), None)
     p64 = Patch(*(t.double() for t in (patch.k_u, patch.k_vt, patch.v_u, patch.v_vt)), patch.layers)
     want = apply_patch(c64, p64, engine.rope, 300, exact=True)
-    got = engine.apply(can, patch, 300)
+    got = engine.apply(can, patch, 300, rotation="exact")
     free = engine.reconstruct(can, patch)
     for g, w in ((got.keys, want.keys), (got.values, want.values), (free.values, want.values)):
         assert g.dtype == dtype
@@ -206,14 +207,16 @@ def test_model_rotation_of_a_patched_canonical(dtype: torch.dtype) -> None:
 
 
 def test_rotation_setting() -> None:
-    """The engine's ``rotation`` is what ``apply`` uses unless told otherwise; an unknown one is refused."""
+    """The engine's ``rotation`` is what ``apply`` uses unless told otherwise (a 16-bit engine with pre-RoPE
+    canonicals: ``"model"``); an unknown one is refused."""
     engine = half_engine("llama", torch.bfloat16)
     can = engine.canonical(random_ids(12, seed=3))
-    assert engine.rotation == "exact"
-    exact, model = engine.apply(can, None, 999), engine.apply(can, None, 999, rotation="model")
+    assert engine.rotation == "model"
+    exact, model = engine.apply(can, None, 999, rotation="exact"), engine.apply(can, None, 999, rotation="model")
     assert not torch.equal(exact.keys, model.keys)
-    engine.rotation = "model"
     assert torch.equal(engine.apply(can, None, 999).keys, model.keys)
+    engine.rotation = "exact"
+    assert torch.equal(engine.apply(can, None, 999).keys, exact.keys)
     with pytest.raises(InvalidInputError, match="rotation"):
         engine.apply(can, None, 999, rotation="bf16")
 

@@ -1,0 +1,173 @@
+"""What a model's attention hands its RoPE function, recorded for one forward and no other.
+
+transformers families apply RoPE through a module-level function of the family's modeling module
+(``apply_rotary_pos_emb``; DeepSeek's ``apply_rotary_pos_emb_interleave``), called by every attention layer
+with its queries and keys. :func:`recording` wraps those functions while at least one recording is open
+anywhere in the process (reference counted under a lock; the original goes back when the last recording
+closes, also after an error) and hands a call to a recorder only when that recorder was opened in the
+calling context (a ``ContextVar``). A forward on another thread, or another engine's forward, passes
+straight through the wrapper with the same arguments and is never seen; a recording sees only the calls of
+the forward it encloses.
+
+A forward that records must run alone: a scheduler that packs it with other rows (``scheduler.carry``)
+would hand the recorder the packed sequence. ``Engine._run`` asks :func:`is_recording` and then runs the
+forward on its own (the result of a lone forward: the same bits with or without a scheduler).
+
+:class:`PreRopeKeys` turns a recorded call into the key the model would write at angle 0, computed by the
+family's own function with the angle-0 tables (``cos`` = the attention scaling, ``sin`` = 0), so the result
+is in the cache's layout (DeepSeek's interleaved band comes out de-interleaved, as the cache holds it) and
+carries a yarn scaling once, as a written key does. That is the position-free key of ``Engine.canonical``
+without the un-rotation of a written key, which in bf16 loses bits that cannot be recovered (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class RopeCall:
+    """One call of a family's RoPE function: its inputs, what it returned, and the original function."""
+
+    function: Callable[..., Any]
+    q: torch.Tensor
+    k: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+
+
+Recorder = Callable[[RopeCall], None]
+
+#: recorders opened in this context (a thread, or an asyncio task), innermost last
+_ACTIVE: ContextVar[tuple[Recorder, ...]] = ContextVar("kamera_rope_recorders", default=())
+_LOCK = threading.Lock()
+#: (module, name) -> [original function, open recordings]
+_INSTALLED: dict[tuple[str, str], list[Any]] = {}
+
+
+def is_recording() -> bool:
+    """Whether a recording is open in the calling context (its forward must not be packed with others)."""
+    return bool(_ACTIVE.get())
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def rope_with_recorders(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        recorders = _ACTIVE.get()
+        if recorders and len(args) >= 4:  # (q, k, cos, sin, ...) as transformers calls it; else not recorded
+            q, k, cos, sin = args[:4]
+            call = RopeCall(original, q, k, cos, sin, tuple(args[4:]), kwargs, out)
+            for record in recorders:
+                record(call)
+        return out
+
+    rope_with_recorders.__kamera_original__ = original  # type: ignore[attr-defined]
+    return rope_with_recorders
+
+
+def _targets(modules: Iterable[ModuleType], names: Sequence[str]) -> list[tuple[ModuleType, str]]:
+    found: dict[tuple[str, str], tuple[ModuleType, str]] = {}
+    for module in modules:
+        for name in names:
+            if callable(getattr(module, name, None)):
+                found[(module.__name__, name)] = (module, name)
+    return list(found.values())
+
+
+def _install(targets: list[tuple[ModuleType, str]]) -> None:
+    with _LOCK:
+        for module, name in targets:
+            slot = _INSTALLED.get((module.__name__, name))
+            if slot is None:
+                original = getattr(module, name)
+                setattr(module, name, _wrap(original))
+                _INSTALLED[(module.__name__, name)] = [original, 1]
+            else:
+                slot[1] += 1
+
+
+def _uninstall(targets: list[tuple[ModuleType, str]]) -> None:
+    with _LOCK:
+        for module, name in targets:
+            slot = _INSTALLED[(module.__name__, name)]
+            slot[1] -= 1
+            if slot[1] == 0:
+                del _INSTALLED[(module.__name__, name)]
+                if getattr(getattr(module, name), "__kamera_original__", None) is slot[0]:
+                    setattr(module, name, slot[0])
+
+
+@contextmanager
+def recording(modules: Iterable[ModuleType], names: Sequence[str], recorder: Recorder) -> Iterator[None]:
+    """Hand ``recorder`` every call of the functions ``names`` of ``modules`` made in this context until the
+    block ends (see the module docstring); the functions are the originals again once no recording is open."""
+    targets = _targets(modules, names)
+    _install(targets)
+    token = _ACTIVE.set((*_ACTIVE.get(), recorder))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        _uninstall(targets)
+
+
+def modeling_module(model: nn.Module) -> ModuleType:
+    """The modeling module of ``model``'s own class."""
+    return sys.modules[type(model).__module__]
+
+
+def layer_modules(layers: Iterable[nn.Module]) -> tuple[ModuleType, ...]:
+    """The modeling modules the decoder layers' classes live in (where their attention calls RoPE from)."""
+    seen: dict[str, ModuleType] = {}
+    for layer in layers:
+        module = sys.modules.get(type(layer).__module__)
+        if module is not None:
+            seen.setdefault(module.__name__, module)
+    return tuple(seen.values())
+
+
+class PreRopeKeys:
+    """A recorder of the keys each attention call hands RoPE, in call (layer) order.
+
+    ``scaling``: the factor the model's rotary module multiplies cos and sin by (yarn's ``attention_scaling``;
+    1 for plain RoPE), so :meth:`at_angle_zero` is what the model writes at angle 0.
+    """
+
+    def __init__(self, scaling: float = 1.0) -> None:
+        self.scaling = float(scaling)
+        self.calls: list[RopeCall] = []
+
+    def __call__(self, call: RopeCall) -> None:
+        k = call.k.detach().clone()  # the forward may reuse its buffers later on
+        self.calls.append(RopeCall(call.function, k, k, call.cos, call.sin, call.args, call.kwargs, None))
+
+    def at_angle_zero(self, n: int) -> list[torch.Tensor]:
+        """Per call, the last ``n`` token rows of the key the model writes at angle 0: (n, H, D') each, in the
+        cache's layout (``D'``: what the family rotates; its rotary band, or the whole head with a pass-through
+        tail that is the written one)."""
+        rows = []
+        for call in self.calls:
+            cos = torch.full(call.cos.shape, self.scaling, dtype=torch.float32, device=call.cos.device)
+            cos = cos.to(call.cos.dtype)
+            sin = torch.zeros_like(call.sin)
+            with torch.no_grad():
+                _, k0 = call.function(call.k, call.k, cos, sin, *call.args, **call.kwargs)
+            if k0.ndim != 4 or k0.shape[0] != 1 or k0.shape[2] < n:
+                raise ValueError(f"a recorded key of shape {tuple(k0.shape)} is not (1, H, >= {n}, D)")
+            rows.append(k0[0, :, -n:, :].transpose(0, 1))
+        return rows

@@ -1,0 +1,239 @@
+"""Canonicals from the keys a forward hands RoPE (``Engine.canonical``, ``adapters/capture.py``).
+
+A bf16 canonical relocated to ``p`` by ``Engine.apply`` / ``relocate`` is within 1 bf16 ulp (layer 0, rotary
+band) of the keys a bf16 prefill of the same anchored chunk writes at ``p``, for every rope style: full and
+partial rotary, linear / llama3 scaling, q/k-norm, MLA's band (DeepSeek's interleaved layout), M-RoPE (contiguous
+sections and interleaved axes, a vision chunk shifted on three axes). Layer 0 is where the two forwards hand
+RoPE the same bits (its pre-RoPE keys depend on the token alone); deeper layers differ already before RoPE
+(docs/gpu.md). The recording is scoped to the forward that opened it: threads and other engines never see
+each other's rows, and the family's function is the original again after an error.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from kamera_engine import KV, Engine
+from kamera_engine.adapters import ADAPTERS
+from kamera_engine.adapters.capture import PreRopeKeys, is_recording, recording
+from kamera_engine.errors import UnsupportedModelError
+from tests.conftest import ANCHOR, TINY_CONFIGS, random_ids, tiny_model
+from tests.engine.test_rope_in_values import TextMLAAdapter
+from tests.engine.test_rope_in_values import _model as mla_model
+
+TARGETS = (37, 1000)
+#: yarn scales cos and sin inside the model: the stored key carries the scaling once, so no rotation of it is
+#: the model's bits (2 ulps measured, docs/gpu.md); its capture is checked in float32 below
+ROPE_STYLES = sorted(set(TINY_CONFIGS) - {"llama-yarn"})
+
+
+def ordinal(x: torch.Tensor) -> torch.Tensor:
+    """Integers counting representable 16-bit values: neighbours differ by 1, +0 and -0 are equal."""
+    bits = x.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Most representable bf16 values between ``a`` and ``b``, elementwise (0: the same bits)."""
+    return int((ordinal(a) - ordinal(b)).abs().max().item())
+
+
+def bf16_engine(name: str) -> Engine:
+    return Engine(tiny_model(name).to(torch.bfloat16), None, name=f"tiny-{name}-bf16", anchor_ids=ANCHOR)
+
+
+def rotated(kv: KV, engine: Engine) -> torch.Tensor:
+    """The slot RoPE rotates: keys, or the value slot of a ``rope_in_values`` (MLA) cache."""
+    return kv.values if engine.rope_in_values else kv.keys
+
+
+def assert_layer0_within_one_ulp(engine: Engine, ids: list[int]) -> None:
+    """The canonical served at each target by ``apply`` (the engine's default rotation), against the layer-0
+    band a prefill of the anchored chunk at the target writes. (``relocate`` is the float64 reference
+    rotation: within 1 ulp of the exact rotation, ``test_bf16.py``, which is itself up to 2 ulps from the
+    model's bf16 RoPE.)"""
+    assert engine.canonical_source == "pre_rope", engine.canonical_source_reason
+    assert engine.rotation == "model"  # the 16-bit default with pre-RoPE canonicals
+    can = engine.canonical(ids)
+    assert can.is_free and rotated(can, engine).dtype == torch.bfloat16
+    r = engine.operator_rope.rotary_dim
+    for p in TARGETS:
+        want = rotated(engine.forward(ids, engine.anchor_kv, p, logits="none").kv, engine)[0][..., :r]
+        served = rotated(engine.apply(can, None, p), engine)[0][..., :r]
+        assert ulps(served, want) <= 1, f"apply @ {p}: {ulps(served, want)} ulps"
+
+
+@pytest.mark.parametrize("name", ROPE_STYLES)
+def test_bf16_canonical_relocated_within_one_ulp_of_a_bf16_prefill(name: str) -> None:
+    assert_layer0_within_one_ulp(bf16_engine(name), random_ids(24, seed=2))
+
+
+def test_mla_band_within_one_ulp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLA (DeepSeek-V3, interleaved ``k_pe``): the band lands in the cache's layout; the latent is the written one."""
+    monkeypatch.setitem(ADAPTERS, "deepseek_v3", TextMLAAdapter)
+    engine = Engine(mla_model().to(torch.bfloat16), anchor_ids=[1, 2, 3])
+    ids = list(range(10, 34))
+    assert_layer0_within_one_ulp(engine, ids)
+    can = engine.canonical(ids)
+    written = engine.forward(ids, engine.anchor_kv, len(engine.anchor_ids), logits="none").kv
+    assert torch.equal(can.keys, written.keys)  # the latent carries no position: byte for byte
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_mrope_image_chunk_within_one_ulp(family: str, tmp_path) -> None:
+    """M-RoPE: an image chunk (3-axis deltas) and text after it, shifted on all three axes."""
+    import numpy as np
+    from PIL import Image
+
+    from kamera_engine.vision import VisionEngine
+    from kamera_engine.vision.tiny import build_tiny_vlm
+
+    engine = VisionEngine.load(build_tiny_vlm(family, tmp_path / family), device="cpu", dtype="bfloat16", attn="sdpa")
+    image = Image.fromarray((np.random.default_rng(2).random((64, 64, 3)) * 255).astype("uint8"))
+    ids = engine.register_image(image, "noise-2").token_ids + engine.tokenize(" and then some text")
+    can = engine.canonical(ids)
+    assert can.deltas is not None and can.deltas.abs().sum() > 0 and can.positions is None
+    assert_layer0_within_one_ulp(engine, ids)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_float32_canonical_is_the_unrotated_one_to_rounding(name: str) -> None:
+    """In float32 the capture and the un-rotation agree to rounding (yarn's scaling included, carried once);
+    values and the features past the band are the same bits."""
+    engine = Engine(tiny_model(name), None, name=f"tiny-{name}", anchor_ids=ANCHOR)
+    ids = random_ids(24, seed=2)
+    captured = engine.canonical(ids)
+    engine.canonical_source = "unrotation"
+    unrotated = engine.canonical(ids)
+    r = engine.rope.rotary_dim
+    assert (captured.keys - unrotated.keys).abs().max().item() <= 1e-5
+    assert torch.equal(captured.keys[..., r:], unrotated.keys[..., r:])
+    assert torch.equal(captured.values, unrotated.values)
+    assert engine.rotation == "exact"  # float32: the exact rotation
+
+
+def test_a_family_whose_rope_call_cannot_be_recorded_unrotates(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """No recordable RoPE function: un-rotation, for every canonical of that model, with the reason logged and
+    reported; "pre_rope" cannot be asked for; 16-bit placements keep the exact rotation."""
+    blind = type("BlindLlamaAdapter", (ADAPTERS["llama"],), {"rope_functions": ("no_such_function",)})
+    monkeypatch.setitem(ADAPTERS, "llama", blind)
+    with caplog.at_level("INFO", logger="kamera_engine.engine"):
+        engine = bf16_engine("llama")
+    assert engine.canonical_source == "unrotation" and "no call of no_such_function" in engine.canonical_source_reason
+    assert "canonicals by un-rotation" in caplog.text
+    assert engine.rotation == "exact"
+    ids = random_ids(16, seed=4)
+    assert torch.equal(engine.canonical(ids).keys, engine.make_free(engine.forward(ids, engine.anchor_kv, 4).kv).keys)
+    with pytest.raises(UnsupportedModelError, match="no pre-RoPE capture"):
+        engine.canonical_source = "pre_rope"
+
+
+# --- scoping ---------------------------------------------------------------------------------------------------
+def _family_module() -> object:
+    return sys.modules[type(tiny_model("llama").model.layers[0]).__module__]
+
+
+def test_a_recording_sees_only_its_own_context() -> None:
+    """A forward on another thread runs while this thread's recording is open: the recording sees none of its
+    calls, and that forward's KV is the same bits as without any recording."""
+    a, b = (
+        Engine(tiny_model("llama", seed=0), anchor_ids=ANCHOR),
+        Engine(tiny_model("llama", seed=1), anchor_ids=ANCHOR),
+    )
+    ids = random_ids(12, seed=5)
+    alone = b.forward(ids, None, 0, logits="none").kv
+    opened, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def other() -> None:
+        opened.wait(10)
+        seen["recording"] = is_recording()
+        seen["kv"] = b.forward(ids, None, 0, logits="none").kv
+        done.set()
+
+    keys = PreRopeKeys()
+    thread = threading.Thread(target=other)
+    thread.start()
+    with recording(a.adapter.rope_modules(a.model), a.adapter.rope_functions, keys):
+        opened.set()
+        assert done.wait(30)
+        assert not keys.calls  # b's forward, on the other thread, was not recorded here
+        a.forward(ids, None, 0, logits="none")
+    thread.join()
+    assert len(keys.calls) == a.num_layers and seen["recording"] is False
+    assert torch.equal(seen["kv"].keys, alone.keys) and torch.equal(seen["kv"].values, alone.values)
+
+
+def test_canonicals_on_two_threads_are_their_serial_bits() -> None:
+    engines = [bf16_engine("qwen2"), Engine(tiny_model("qwen2", seed=3).to(torch.bfloat16), anchor_ids=ANCHOR)]
+    chunks = [random_ids(20, seed=s) for s in range(4)]
+    serial = [[e.canonical(c).keys for c in chunks] for e in engines]
+    got: list[list[torch.Tensor]] = [[], []]
+    start = threading.Barrier(2)
+
+    def work(i: int) -> None:
+        start.wait(10)
+        for _ in range(3):
+            got[i] = [engines[i].canonical(c).keys for c in chunks]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert all(torch.equal(g, s) for g, s in zip(got[i], serial[i], strict=True))
+
+
+def test_the_family_function_is_restored_after_an_error_inside_the_forward() -> None:
+    engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
+    module = _family_module()
+    original = module.apply_rotary_pos_emb
+    ids = random_ids(10, seed=6)
+    expected = engine.canonical(ids)
+    assert module.apply_rotary_pos_emb is original  # no recording open: the original
+
+    def fail(*_: object) -> None:
+        assert module.apply_rotary_pos_emb is not original  # wrapped while the canonical records
+        raise RuntimeError("boom inside the forward")
+
+    handle = engine.model.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.canonical(ids)
+    finally:
+        handle.remove()
+    assert module.apply_rotary_pos_emb is original and not is_recording()
+    assert torch.equal(engine.canonical(ids).keys, expected.keys)
+
+
+def test_a_recording_forward_is_not_packed_into_a_scheduler_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A canonical's forward runs alone even when a scheduler is carrying window forwards (a packed step would
+    hand the recorder other requests' rows); a plain forward still goes to the scheduler."""
+    import kamera_engine.engine as engine_module
+
+    engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
+    _ = engine.anchor_kv  # the anchor's own forward is a plain one
+    carried: list[int] = []
+
+    class Carrier:
+        def carry(self, ids: torch.Tensor, *_: object) -> None:
+            carried.append(int(ids.numel()))
+            return None  # "run it alone"
+
+    monkeypatch.setattr(engine_module, "active_scheduler", lambda e: (Carrier(), None))
+    engine.canonical(random_ids(9, seed=7))
+    assert carried == []
+    engine.forward(random_ids(5, seed=7), None, 0, logits="none")
+    assert carried == [5]
+
+
+@pytest.mark.slow
+def test_default_model_bf16_canonical_within_one_ulp() -> None:
+    engine = Engine.load(dtype="bfloat16", device="cpu")
+    text = "The position-free cache stores each chunk's keys at angle zero and rotates them into place."
+    assert_layer0_within_one_ulp(engine, engine.tokenize(text))
