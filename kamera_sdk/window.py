@@ -172,7 +172,7 @@ class ContextWindow:
         self._queue = BackgroundQueue(self.config.background_budget_tokens)
         self._policy_idle_at = -1  # the window step the policy's idle work last ran at
         #: chunks whose canonical compile was deferred and that no foreground plan has served from it yet:
-        #: the cost model counts their compile (whether idle time reached it must not change a plan)
+        #: required work is priced counting their compile (whether idle time reached it must not change a plan)
         self._uncompiled: set[ChunkId] = set(getattr(self, "_uncompiled", ()))
         #: of those, the ones deferred since the last use: the agent has not acted (idle time) since, so the
         #: cost model counts their compile; an older one it expects idle time to have compiled
