@@ -807,6 +807,18 @@ class ContextWindow:
         run = functools.partial(self._persistence.prefetch, chunks)
         self._push(Task("prefetch", "*", Phase.LATENCY, 0.0, 0, run))
 
+    def _queue_place(self) -> None:
+        """A slide or an eviction moved the chunks behind it: their rotations into the window's buffer at the
+        new positions run in idle time (after the survivors' work), so the use finds those rows written."""
+        if self.config.reuse_buffer:
+            run = self._place_ahead
+            self._queue.replace("place", Task("place", "*", Phase.LATENCY, float(self.tokens), 0, run))
+
+    def _place_ahead(self) -> None:
+        if self._state.slots:
+            plan = self._cost_plan(self.policy.plan(self._view()), 0, count=False)
+            self._executor.place_ahead(plan, self._state.slots, self.policy.keeps_slot_kv)
+
     def _survivor_run(self) -> tuple[Plan, int, float] | None:
         """The first forward run of the plan that re-conditions survivors (a removal), as (plan, the run's
         end, value: its tokens weighted by how many members each survivor lost), or None."""
@@ -991,6 +1003,7 @@ class ContextWindow:
             self._queue_survivors()
             if op in ("slide", "evict"):
                 self._queue_prefetch()
+                self._queue_place()
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 
@@ -1034,6 +1047,7 @@ class ContextWindow:
         )
         self._compiled_by(plan)
         self._deferred_since_use.clear()  # a use: the agent acts (idle time) before the next one
+        self._queue.replace("place", None)  # the use placed the window itself
         self.policy.observe(self._view(), plan, execution.placed)
         self._state.slots = execution.slots
         self._cache = (plan, execution)

@@ -314,3 +314,33 @@ def test_a_lead_deferred_before_the_last_use_is_served_from_its_canonical() -> N
     cold, f0, t0, lp0 = _lead_after_a_use(idle=False)
     assert torch.equal(lp0, lp) and cold.chunks == win.chunks
     assert (f0, t0) == (2, total)  # c compiled on the path: recompute's tokens, one forward more
+
+
+def _slide_step(idle: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:
+    """Four chunks asked over, a slide, the agent's idle time (or none), a new chunk, the question. Returns
+    the rotations the question's use ran (``engine.apply`` calls) and its log-probs."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
+    for i in range(4):
+        win.add(random_ids(8 + i, seed=80 + i))
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    if idle:
+        win.prepare()
+    win.add(random_ids(9, seed=90))
+    calls = []
+    apply = _ENGINE.apply
+    with monkeypatch.context() as m:
+        m.setattr(_ENGINE, "apply", lambda *a, **k: calls.append(1) or apply(*a, **k))
+        lp = win.next_token_logprobs(PROMPT)
+    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    return len(calls), lp
+
+
+def test_a_slides_survivors_are_placed_in_idle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a slide the chunks that stay are rotated to their new positions in idle time (a ``place`` task,
+    after their re-conditioning): the use takes those rows as written and rotates nothing; with no idle time
+    it rotates them itself. The same rotation either way: identical log-probs."""
+    idle_rotations, idle_lp = _slide_step(True, monkeypatch)
+    cold_rotations, cold_lp = _slide_step(False, monkeypatch)
+    assert idle_rotations == 0 and cold_rotations == 3, (idle_rotations, cold_rotations)
+    assert torch.equal(idle_lp, cold_lp)
