@@ -174,6 +174,27 @@ class Executor:
         self.stats.time("place", placing[0])
         return Execution(parts, placed, new_slots, prompt_result)
 
+    def place_ahead(self, plan: Plan, slots: list[Slot], keep_slot_kv: bool) -> int:
+        """Write, before the use, the plan's leading slots whose placed KV is a rotation of KV already held
+        (kept and survivor slots, a lead whose canonical is resident) into the buffer, remembered under the
+        keys the use's placement looks up, so it takes those rows as they are: the same rotation, computed
+        earlier (idle time), so the use's numbers are the same bits. Stops at the first other slot. Returns
+        how many slots it placed."""
+        if not self.config.reuse_buffer:
+            return 0
+        e = self.engine
+        buffer = self._buffer_for(plan, None)
+        if buffer.reuse([("placed", e.anchor_kv)]) is None:
+            buffer.append(e.anchor_kv, keys=[("placed", e.anchor_kv)])
+        placed = 0
+        for sp, slot in zip(plan.slots, slots, strict=True):
+            rotation = sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None
+            if not (rotation or (sp.source is Source.LEAD and sp.chunk.canonical is not None)):
+                break
+            self._place(buffer, sp, slot, keep_slot_kv)
+            placed += 1
+        return placed
+
     def _buffer_for(self, plan: Plan, prompt: list[int] | None) -> WindowBuffer:
         """The buffer this assembly writes into: the branch's own from the last assembly (its rows kept for
         reuse), or a new one sized for the window's budget and the prompt."""

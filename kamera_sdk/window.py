@@ -174,8 +174,11 @@ class ContextWindow:
         self._queue = BackgroundQueue(self.config.background_budget_tokens)
         self._policy_idle_at = -1  # the window step the policy's idle work last ran at
         #: chunks whose canonical compile was deferred and that no foreground plan has served from it yet:
-        #: the cost model counts their compile (whether idle time reached it must not change a plan)
+        #: required work is priced counting their compile (whether idle time reached it must not change a plan)
         self._uncompiled: set[ChunkId] = set(getattr(self, "_uncompiled", ()))
+        #: of those, the ones deferred since the last use: the agent has not acted (idle time) since, so the
+        #: cost model counts their compile; an older one it expects idle time to have compiled
+        self._deferred_since_use: set[ChunkId] = set(getattr(self, "_deferred_since_use", ()))
         self._leaving: set[ChunkId] = set()  # chunks that left with a patch to form (it compiles their canonical)
         self.cost_model = getattr(self, "cost_model", CostModel())
         self._depth = 0  # foreground calls of this branch in progress (they nest: admit -> recall -> slide)
@@ -785,6 +788,7 @@ class ContextWindow:
         # value: the nearer the front a chunk sits, the sooner it may lead and need its canonical on the path
         value = len(chunk) / (1 + len(self._state.slots))
         self._uncompiled.add(chunk.id)
+        self._deferred_since_use.add(chunk.id)
         run = functools.partial(self._executor.canonical, chunk)
         self._push(Task("canonical", chunk.label(), Phase.LATENCY, value, len(chunk), run), replace=False)
 
@@ -804,6 +808,18 @@ class ContextWindow:
         chunks = [self._table.get(c) for c in self._state.evicted]
         run = functools.partial(self._persistence.prefetch, chunks)
         self._push(Task("prefetch", "*", Phase.LATENCY, 0.0, 0, run))
+
+    def _queue_place(self) -> None:
+        """A slide or an eviction moved the chunks behind it: their rotations into the window's buffer at the
+        new positions run in idle time (after the survivors' work), so the use finds those rows written."""
+        if self.config.reuse_buffer:
+            run = self._place_ahead
+            self._queue.replace("place", Task("place", "*", Phase.LATENCY, float(self.tokens), 0, run))
+
+    def _place_ahead(self) -> None:
+        if self._state.slots:
+            plan = self._cost_plan(self.policy.plan(self._view()), 0, count=False)
+            self._executor.place_ahead(plan, self._state.slots, self.policy.keeps_slot_kv)
 
     def _survivor_run(self) -> tuple[Plan, int, float] | None:
         """The first forward run of the plan that re-conditions survivors (a removal), as (plan, the run's
@@ -847,8 +863,10 @@ class ContextWindow:
             plan, end, _ = found
             st = self._stats
             kv_bytes, tokens = st.window_kv_bytes, st.window_tokens  # a prefix is not the window
-            # priced like a use (no prompt): a lead whose canonical is still to be compiled rides in the run
-            head = self._cost_plan(Plan(plan.policy, plan.slots[:end], plan.anchor_len, plan.recompute), 0)
+            # priced like a use (no prompt) for the case it runs in: inline when idle time has not reached it,
+            # so every deferred canonical counts; a lead whose canonical is still to be compiled rides in the run
+            head = Plan(plan.policy, plan.slots[:end], plan.anchor_len, plan.recompute)
+            head = self._cost_plan(head, 0, inline=True)
             execution = self._executor.run(
                 head, self._state.slots[:end], self.policy.keeps_slot_kv, self._state.graph, self._state.step
             )
@@ -987,6 +1005,7 @@ class ContextWindow:
             self._queue_survivors()
             if op in ("slide", "evict"):
                 self._queue_prefetch()
+                self._queue_place()
         if t0 is not None:
             self._stats.time(op, time.perf_counter() - t0)
 
@@ -1029,6 +1048,8 @@ class ContextWindow:
             plan, self._state.slots, self.policy.keeps_slot_kv, self._state.graph, self._state.step, prompt
         )
         self._compiled_by(plan)
+        self._deferred_since_use.clear()  # a use: the agent acts (idle time) before the next one
+        self._queue.replace("place", None)  # the use placed the window itself
         self.policy.observe(self._view(), plan, execution.placed)
         self._state.slots = execution.slots
         self._cache = (plan, execution)
@@ -1042,15 +1063,17 @@ class ContextWindow:
         return plan, execution
 
     # --- the cost-based plan (plan_cost) ---------------------------------------------------------------
-    def _cost_plan(self, plan: Plan, prompt_len: int, *, count: bool = True) -> Plan:
+    def _cost_plan(self, plan: Plan, prompt_len: int, *, count: bool = True, inline: bool = False) -> Plan:
         """With background work on, a policy that opts in (``ReusePolicy.cost_based``) has its plan priced
         against the exact alternatives of ``plan_cost`` (one forward from the first prefilled slot on, one
         fused re-prefill of the window) and the cheapest runs; the choice is logged and counted
-        (``cost_plans``) unless the plan is only shown (``count=False``). Off, the plan is the policy's."""
+        (``cost_plans``) unless the plan is only shown (``count=False``). Off, the plan is the policy's.
+        ``inline``: required background work, priced for when it runs inline (every deferred compile counts)."""
         if self.config.background == "off" or not self.policy.cost_based:
             return plan
         plan = self._lead_from_own(plan)
-        choice = choose(plan, prompt_len, self._missing, self.cost_model)
+        missing = self._deferred if inline else self._missing
+        choice = choose(plan, prompt_len, missing, self.cost_model)
         if not count:
             return choice.plan
         self._stats.count_task(self._stats.cost_plans, choice.name)
@@ -1061,8 +1084,15 @@ class ContextWindow:
         return choice.plan
 
     def _missing(self, chunk: Chunk) -> bool:
-        """Whether the cost model counts a compile of ``chunk``'s canonical (decided from the operations,
-        never from what idle time reached, so the choice, and the answer, do not depend on timing)."""
+        """Whether the cost model counts a compile of ``chunk``'s canonical: deferred, and since the last use
+        (one deferred before it had the agent's idle time to be compiled in; if that time did not reach it,
+        the plan compiles it itself: the same tokens as prefilling it, one forward more). Decided from the
+        operations, never from what idle time reached, so the choice, and the answer, do not depend on
+        timing."""
+        return chunk.id in self._uncompiled and chunk.id in self._deferred_since_use
+
+    def _deferred(self, chunk: Chunk) -> bool:
+        """``chunk``'s canonical compile was deferred and no plan has served it from the canonical since."""
         return chunk.id in self._uncompiled
 
     def _lead_from_own(self, plan: Plan) -> Plan:
@@ -1073,7 +1103,7 @@ class ContextWindow:
             return plan
         sp, slot = plan.slots[0], self._state.slots[0]
         own = slot.materialised() and slot.antecedent == () and not self._state.graph.is_stale(slot.chunk_id)
-        if not own or not self._missing(sp.chunk):
+        if not own or not self._deferred(sp.chunk):
             return plan
         keep = SlotPlan(sp.chunk, sp.start, sp.antecedent, Source.KEEP, reason="lead: its own KV on the anchor alone")
         return Plan(plan.policy, [keep, *plan.slots[1:]], plan.anchor_len, plan.recompute)
@@ -1085,10 +1115,10 @@ class ContextWindow:
                 self._uncompiled.discard(sp.chunk.id)
 
     def _held(self, chunk: Chunk, pending: PendingPatch) -> bool:
-        """A set-aside patch of a chunk whose canonical compile the cost model still counts (``_missing``) is
+        """A set-aside patch of a chunk whose canonical compile was deferred and no plan has made yet is
         held back, from idle time too, until a foreground plan has compiled it (or a fork or ``flush``): its
         forming would compile the canonical, and whether idle time reached that must not change a plan."""
-        return self._missing(chunk)
+        return self._deferred(chunk)
 
     def _form_orphans_for_plan(self, *, everything: bool = False) -> None:
         """Before a plan: form the set-aside patches a plan could use. One of a chunk out of the window (until

@@ -29,6 +29,7 @@ from kamera_engine import KV, Engine
 
 from ..config import WindowConfig
 from ..console import err, track
+from ..stats import Work
 from ..window import ContextWindow
 from .corpus import Page, Question, load_corpus
 from .metrics import kl, mean, timed_result
@@ -236,11 +237,14 @@ def run_trace(
     step; the operations it knows ahead (``known_ahead``) are applied first, then every window gets the
     same idle time (``ContextWindow.prepare(seconds)``: policies with no idle work return at once, which
     changes nothing for them), then the rest of the step and the question. ``critical_s`` per step:
-    the operations after the idle time, ingest and TTFT (what the agent waits for once it knows the step)."""
+    the operations after the idle time, ingest and TTFT (what the agent waits for once it knows the step);
+    ``critical_forwards`` / ``critical_tokens`` per step: the forwards and tokens run in that span (canonical
+    compiles, slots prefilled in context, the prompt; idle-time work excluded), next to ``floor_tokens``."""
     wins = {p: _window(engine, p, arms) for p in policies}
     ids: dict[str, dict[str, str]] = {p: {} for p in policies}
     rows: dict[str, dict[str, list]] = {
-        p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": [], "critical": [], "idle": []} for p in policies
+        p: {"ttft": [], "kl": [], "match": [], "ingest": [], "ops": [], "critical": [], "idle": [], "work": []}
+        for p in policies
     }
     per_step: list[dict[str, Any]] = []
     floor_tokens = 0
@@ -255,6 +259,7 @@ def run_trace(
             if act_seconds is not None:
                 win.prepare(act_seconds)
             rows[p]["idle"].append(time.perf_counter() - t0)
+            work0 = _critical_work(win)
             ingest, ops = apply_step(win, step, ids[p], slice(ahead, None))
             rows[p]["ingest"].append(ingest0 + ingest)
             rows[p]["ops"].append(ops0 + ops)
@@ -262,6 +267,8 @@ def run_trace(
             lps[p] = win.next_token_logprobs(step.question)
             rows[p]["ttft"].append(time.perf_counter() - t0)
             rows[p]["critical"].append(ingest + ops + rows[p]["ttft"][-1])
+            work1 = _critical_work(win)
+            rows[p]["work"].append((work1[0] - work0[0], work1[1] - work0[1]))
             answers[p] = win.generate(step.question, max_new_tokens=answer_tokens)
         for p in policies:
             rows[p]["kl"].append(kl(lps["recompute"], lps[p]))
@@ -280,7 +287,10 @@ def run_trace(
                 "ops": step.describe(),
                 "ttft_s": {p: rows[p]["ttft"][-1] for p in policies},
                 "ttft_floor_s": floor_s,
+                "floor_tokens": tokens,
                 "critical_s": {p: rows[p]["critical"][-1] for p in policies},
+                "critical_forwards": {p: rows[p]["work"][-1][0] for p in policies},
+                "critical_tokens": {p: rows[p]["work"][-1][1] for p in policies},
                 "kl": {p: rows[p]["kl"][-1] for p in policies},
                 "answer": answers,
             }
@@ -325,6 +335,8 @@ def run_trace(
         if "recompute" in result and p != "recompute":
             ratios = [c / r for c, r in zip(rows[p]["critical"], rows["recompute"]["critical"], strict=True)]
             result[p]["critical_over_recompute_max"] = max(ratios)
+            works = zip(rows[p]["work"], rows["recompute"]["work"], strict=True)
+            result[p]["critical_tokens_over_recompute_max"] = max(w[1] / max(r[1], 1) for w, r in works)
     result["steps"] = per_step
     result["ttft_floor"] = {
         "ttft_s_mean": mean([r["ttft_floor_s"] for r in per_step]),
@@ -343,6 +355,14 @@ def run_trace(
                 if (rows_k := [r for r in per_step if r["kind"] == kind])
             }
     return result
+
+
+def _critical_work(win: ContextWindow) -> tuple[int, int]:
+    """(forwards, tokens) the window has run on answers' critical paths so far: canonical compiles, slots
+    prefilled in context and prompts; work run in idle time is counted apart and left out."""
+    work = win.stats().work
+    counted = [work[w] for w in (Work.INGEST, Work.CONTEXT, Work.PROMPT) if w in work]
+    return sum(c.forwards for c in counted), sum(c.tokens for c in counted)
 
 
 def _over_prefix(steps: list[dict[str, Any]], ttft: Callable[[dict[str, Any]], float]) -> float:

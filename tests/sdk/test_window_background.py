@@ -260,9 +260,10 @@ def test_a_lead_prefilled_in_front_is_served_from_its_own_kv() -> None:
     """A fused re-prefill puts the lead in the forward; its canonical (deferred) is not compiled later to
     serve it: the next use keeps its own KV, conditioned on the anchor alone, and counts the choice."""
     win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
-    a, b, c = (win.add(random_ids(8 + i, seed=40 + i)) for i in range(3))
+    a, b = (win.add(random_ids(8 + i, seed=40 + i)) for i in range(2))
     win.next_token_logprobs(PROMPT)
-    win.reorder([c, a, b])  # c's canonical was deferred: compiling it would be a forward of its own
+    c = win.add(random_ids(10, seed=42))
+    win.reorder([c, a, b])  # c's canonical was deferred since the last use: compiling it is a forward of its own
     assert (win.next_token_logprobs(PROMPT) - _reprefill(_ENGINE, win)).abs().max() < 1e-4
     st = win.stats()
     assert st.fused_refills == 1 and st.cost_plans["fused"] == 1
@@ -275,3 +276,71 @@ def test_a_lead_prefilled_in_front_is_served_from_its_own_kv() -> None:
 
 
 _ENGINE = tiny_engine("llama", seed=3)
+
+
+def _lead_after_a_use(idle: bool) -> tuple[ContextWindow, int, int, torch.Tensor]:
+    """Three chunks asked over, then (after the agent's idle time, or none) the last comes to lead. Returns
+    the window, the forwards and tokens from the reorder to the answer, and the answer's log-probs."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
+    a, b, c = (win.add(random_ids(8 + i, seed=40 + i)) for i in range(3))
+    win.next_token_logprobs(PROMPT)
+    if idle:
+        win.prepare()
+    before = win.stats()
+    win.reorder([c, a, b])
+    lp = win.next_token_logprobs(PROMPT)
+    after = win.stats()
+    forwards = sum(after._work(w).forwards - before._work(w).forwards for w in _CRITICAL)
+    tokens = sum(after._work(w).tokens - before._work(w).tokens for w in _CRITICAL)
+    return win, forwards, tokens, lp
+
+
+def test_a_lead_deferred_before_the_last_use_is_served_from_its_canonical() -> None:
+    """A chunk whose canonical was deferred before the last use had the agent's idle time to be compiled:
+    the plan serves it from the canonical when it comes to lead and prefills only what sits behind it (the
+    rerank of the window trace that puts an older page in front). Whether idle time compiled it changes
+    where the compile runs, never the plan or the answer: with none the plan compiles it itself, the tokens
+    of recompute's build in one forward more."""
+    rec = ContextWindow(_ENGINE, policy="recompute")
+    for i in range(3):
+        rec.add(random_ids(8 + i, seed=40 + i))
+    total = sum(8 + i for i in range(3)) + len(PROMPT)
+    win, f, t, lp = _lead_after_a_use(idle=True)
+    executed = [d.reason for d in win.stats().decisions if d.source == "plan"][-1].split()
+    assert executed[0].endswith(":lead") and all(x.endswith(":forward") for x in executed[1:]), executed
+    assert win.stats().cost_plans.get("fused", 0) == 0 and win.stats().background_done.get("canonical") == 2
+    assert (f, t) == (1, total - 10)  # a and b behind c, with the prompt: c's canonical was ready
+    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    cold, f0, t0, lp0 = _lead_after_a_use(idle=False)
+    assert torch.equal(lp0, lp) and cold.chunks == win.chunks
+    assert (f0, t0) == (2, total)  # c compiled on the path: recompute's tokens, one forward more
+
+
+def _slide_step(idle: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:
+    """Four chunks asked over, a slide, the agent's idle time (or none), a new chunk, the question. Returns
+    the rotations the question's use ran (``engine.apply`` calls) and its log-probs."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
+    for i in range(4):
+        win.add(random_ids(8 + i, seed=80 + i))
+    win.next_token_logprobs(PROMPT)
+    win.slide(1)
+    if idle:
+        win.prepare()
+    win.add(random_ids(9, seed=90))
+    calls = []
+    apply = _ENGINE.apply
+    with monkeypatch.context() as m:
+        m.setattr(_ENGINE, "apply", lambda *a, **k: calls.append(1) or apply(*a, **k))
+        lp = win.next_token_logprobs(PROMPT)
+    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    return len(calls), lp
+
+
+def test_a_slides_survivors_are_placed_in_idle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a slide the chunks that stay are rotated to their new positions in idle time (a ``place`` task,
+    after their re-conditioning): the use takes those rows as written and rotates nothing; with no idle time
+    it rotates them itself. The same rotation either way: identical log-probs."""
+    idle_rotations, idle_lp = _slide_step(True, monkeypatch)
+    cold_rotations, cold_lp = _slide_step(False, monkeypatch)
+    assert idle_rotations == 0 and cold_rotations == 3, (idle_rotations, cold_rotations)
+    assert torch.equal(idle_lp, cold_lp)
