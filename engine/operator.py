@@ -263,9 +263,12 @@ def apply_patch(
     canonical: position-free KV (L, T, H, D). ``patch=None`` gives blind reuse (relocation only).
     ``exact=False`` rotates in the KV dtype (serving path); ``True`` rotates in float64 (reference).
     ``out``: optional preallocated placed KV (same shapes) to write into, e.g. a slot of the window.
-    ``rotation`` (serving path only): ``"exact"`` computes in float32 and rounds once; ``"model"`` rotates
-    with the model's own arithmetic in the KV dtype (``rope.rotate_like_model``) on torch's path, after
-    ``canonical + U V^T`` is rounded once to the KV dtype (the dtype the model's pre-RoPE key has).
+    ``rotation`` (serving path only): ``"exact"`` computes in float32 and rounds once; ``"model"`` relocates
+    a chunk served without a patch with the model's own arithmetic in the KV dtype
+    (``rope.rotate_like_model``, torch's path): the bits a prefill at ``target`` writes from the same
+    pre-RoPE keys. A patched chunk has no such model counterpart, so under ``"model"`` it is still computed
+    as ``"exact"`` does (``canonical + U V^T`` and the rotation in float32, rounded once), which is the
+    closer of the two to the conditioned keys (docs/gpu.md).
 
     The serving path runs the fused CPU kernel (``fused_apply``: one pass per row) when it can, on CUDA
     the Triton kernel (``kernels.place``, chosen by ``kernels.dispatch``), else torch layer by layer, so
@@ -279,13 +282,12 @@ def apply_patch(
         raise InvalidInputError(f"target positions shape {tuple(tgt.shape)} != ({n_tok},)")
     if patch is not None and patch.num_tokens != n_tok:
         raise InvalidInputError(f"patch covers {patch.num_tokens} tokens, canonical has {n_tok}")
-    if check_rotation(rotation) == "model" and not exact:
-        free = reconstruct(canonical, patch)
-        keys = rotate_like_model(free.keys, spec, tgt)
+    if check_rotation(rotation) == "model" and not exact and patch is None:
+        keys = rotate_like_model(canonical.keys, spec, tgt)
         if out is None:
-            return KV(keys, free.values.clone() if patch is None else free.values, tgt, canonical.deltas)
+            return KV(keys, canonical.values.clone(), tgt, canonical.deltas)
         out.keys.copy_(keys)
-        out.values.copy_(free.values)
+        out.values.copy_(canonical.values)
         return KV(out.keys, out.values, tgt, canonical.deltas)
     if exact:
         free = reconstruct(canonical, patch)

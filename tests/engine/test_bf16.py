@@ -189,21 +189,27 @@ def test_bf16_relocated_canonical_against_a_bf16_prefill_at_layer_0(name: str) -
 
 @pytest.mark.parametrize("dtype", list(HALF), ids=["bf16", "fp16"])
 def test_model_rotation_of_a_patched_canonical(dtype: torch.dtype) -> None:
-    """``rotation="model"``: ``canonical + U V^T`` rounded once to the KV dtype (the pre-RoPE key), then the
-    model's rotation; values as ``reconstruct`` gives them; the same bits into a preallocated ``out``."""
+    """``rotation="model"`` reproduces the model's rounding only where a prefill has the same pre-RoPE keys
+    (no patch); a patched chunk is computed as ``"exact"`` does (float32, rounded once), into ``out`` too."""
     engine = half_engine("qwen2", dtype)
     a, b = random_ids(20, seed=1), random_ids(16, seed=2)
     can = engine.canonical(b)
     ids = ANCHOR + a + b
     patch = engine.form_patch(engine.forward(ids, None, 0, logits="none").kv.slice(len(ids) - len(b), len(ids)), can, 4)
-    free = engine.reconstruct(can, patch)
     got = engine.apply(can, patch, 300, rotation="model")
-    assert torch.equal(got.keys, rotate_like_model(free.keys, engine.rope, 300))
-    assert torch.equal(got.values, free.values)
+    want = engine.apply(can, patch, 300, rotation="exact")
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert not torch.equal(got.keys, rotate_like_model(engine.reconstruct(can, patch).keys, engine.rope, 300))
+    bare = engine.apply(can, None, 300, rotation="model")
+    assert torch.equal(bare.keys, rotate_like_model(can.keys, engine.rope, 300))
+    assert torch.equal(bare.values, can.values)
     out = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
     into = apply_patch(can, patch, engine.rope, 300, out=out, rotation="model")
     assert into.keys.data_ptr() == out.keys.data_ptr()
     assert torch.equal(into.keys, got.keys) and torch.equal(into.values, got.values)
+    out = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
+    into = apply_patch(can, None, engine.rope, 300, out=out, rotation="model")
+    assert into.keys.data_ptr() == out.keys.data_ptr() and torch.equal(into.keys, bare.keys)
 
 
 def test_rotation_setting() -> None:
