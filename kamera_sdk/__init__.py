@@ -32,7 +32,7 @@ from kamera_engine import (
     WindowOperationError,
 )
 
-from .auto_tools import AUTO_TOOL_POLICIES, relevant_tools, text_grammar, tool_relevance
+from .auto_tools import AUTO_TOOL_POLICIES, auto_grammar, relevant_tools, text_grammar, tool_relevance
 from .chat_format import ChatFormat
 from .chunks import ChunkId
 from .config import WindowConfig
@@ -118,6 +118,7 @@ __all__ = [
     "WindowStats",
     "__version__",
     "answer_prompt",
+    "auto_grammar",
     "closed_schema",
     "create_app",
     "json_grammar",

@@ -26,7 +26,7 @@ import torch
 
 from kamera_engine import Engine, Grammar, InvalidInputError
 
-from .tools import ToolSpec
+from .tools import ToolSpec, tool_grammar
 
 AutoToolPolicy = Literal["model", "relevance"]
 AUTO_TOOL_POLICIES: tuple[str, ...] = ("model", "relevance")
@@ -77,3 +77,12 @@ def relevant_tools(
         return []
     scores = tool_relevance(engine, turn, request, candidates)
     return [t for t in candidates if scores[t.name] > 0.0]
+
+
+def auto_grammar(
+    engine: Engine, turn: Turn, request: str, tools: Sequence[ToolSpec], called: Sequence[str] = ()
+) -> Grammar:
+    """The grammar of a ``"relevance"`` answer: a call of one of the :func:`relevant_tools`, or text that
+    cannot open a call when none is left (one decision for ChatKamera and the server)."""
+    relevant = relevant_tools(engine, turn, request, tools, called)
+    return tool_grammar(relevant, "required") if relevant else text_grammar()

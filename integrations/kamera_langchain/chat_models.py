@@ -47,10 +47,8 @@ from kamera_sdk import (
     TextStream,
     WindowConfig,
     answer_prompt,
+    auto_grammar,
     open_store,
-    relevant_tools,
-    text_grammar,
-    tool_grammar,
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
@@ -435,8 +433,7 @@ class ChatKamera(BaseChatModel):
         if last is None:  # no request to measure relevance against: the model decides
             return shape
         called = [c["name"] for m in messages[last + 1 :] if isinstance(m, AIMessage) for c in m.tool_calls]
-        relevant = relevant_tools(engine, fmt.render, message_text(messages[last]), shape.tools, called)
-        grammar = tool_grammar(relevant, "required") if relevant else text_grammar()
+        grammar = auto_grammar(engine, fmt.render, message_text(messages[last]), shape.tools, called)
         return dataclasses.replace(shape, grammar=grammar)
 
     def _decode(self, call: _Call) -> Iterator[str]:
@@ -497,6 +494,8 @@ class ChatKamera(BaseChatModel):
         if shape.calls_tools:  # the server describes the tools to the model and holds it to them
             options["tools"] = [{"type": "function", "function": t.model_dump()} for t in shape.tools]
             options["tool_choice"] = remote_tool_choice(shape.choice)
+            if shape.choice == "auto":  # the server decides "auto" the way this model is set to
+                options["auto_tool_policy"] = self.auto_tool_policy
         elif shape.response_format is not None:
             options["response_format"] = shape.response_format
         return self._remote_window(session).chat(payload, stream=stream, **options), session, shape

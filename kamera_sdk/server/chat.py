@@ -19,11 +19,12 @@ from __future__ import annotations
 import binascii
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
 from kamera_engine.decode import TextStream
 
+from ..auto_tools import auto_grammar
 from ..chat_format import OpenTurnFormat
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
@@ -186,6 +187,24 @@ def json_mode(req: ChatCompletionRequest) -> bool:
     return req.response_format is not None and req.response_format.type == "json_object"
 
 
+def relevance_grammar(engine: Engine, fmt: OpenTurnFormat | None, req: ChatCompletionRequest) -> Grammar | None:
+    """``tool_choice="auto"`` under the ``"relevance"`` policy: a call of a tool relevant to the last user
+    message and not called since it, else text (``kamera_sdk.auto_tools``, as ChatKamera decides it). With
+    no user message there is nothing to measure against and the model decides."""
+    if fmt is None:
+        raise InvalidInputError("auto_tool_policy 'relevance' needs a model with a chat template")
+    last = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=None)
+    if last is None:
+        return answer_grammar(req)
+    called = [
+        str((call.get("function") or {}).get("name"))
+        for m in req.messages[last + 1 :]
+        if m.role == "assistant"
+        for call in m.tool_calls or []
+    ]
+    return auto_grammar(engine, fmt.turn, prompt_text(req.messages[last]), request_tools(req), called)
+
+
 def tool_choice_name(req: ChatCompletionRequest) -> str:
     """``"auto"``, ``"required"`` or the name of the one tool the request forces."""
     choice = req.tool_choice
@@ -233,6 +252,8 @@ def start_chat(
     if fmt is not None and items:  # a turn of its own after the others
         prompt = fmt.turn(last.role, prompt)
     prompt_ids = engine.prompt_ids(prompt)
+    if req.auto_tool_policy == "relevance" and request_tools(req) and tool_choice_name(req) == "auto":
+        params = replace(params, grammar=relevance_grammar(engine, fmt, req))
     anchor = len(engine.anchor_ids)
     text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))
     holds_all = win is None or win.config.budget_tokens is None  # no budget slides messages out in the sync

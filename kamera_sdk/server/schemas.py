@@ -229,7 +229,9 @@ class ChatCompletionRequest(_Lenient):
 
     ``session``: a session id from ``POST /v1/sessions`` whose window holds the conversation;
     otherwise ``user`` keys a window of its own; with neither, the window lives for this request only.
-    ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1.
+    ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1. ``auto_tool_policy`` (Kamera's): who decides
+    between a call and text under ``tool_choice="auto"``: ``"model"`` (its first token, OpenAI's semantics,
+    the default) or ``"relevance"`` (the model's likelihoods before decoding, ``kamera_sdk.auto_tools``).
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -249,6 +251,7 @@ class ChatCompletionRequest(_Lenient):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    auto_tool_policy: Literal["model", "relevance"] = "model"
 
 
 class FunctionCall(BaseModel):

@@ -162,3 +162,22 @@ def test_tools_and_structured_output_run_on_the_server(server: LiveServer) -> No
     assert remote(server, max_tokens=3).invoke(history).tool_calls == []
     mood = remote(server, max_tokens=40).with_structured_output(Mood).invoke("How do I feel?")
     assert isinstance(mood, Mood)
+
+
+def test_auto_tool_policy_travels_to_the_server(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote ChatKamera's ``auto_tool_policy`` is the server's under ``tool_choice="auto"`` (the default,
+    ``"relevance"``, consults the request's scores there; ``"model"`` does not)."""
+    import kamera_sdk.auto_tools as auto
+
+    asked: list[str] = []
+
+    def pinned(engine, turn, request, tools):
+        asked.append(request)
+        return {t.name: 1.0 for t in tools}
+
+    monkeypatch.setattr(auto, "tool_relevance", pinned)
+    call = remote(server, max_tokens=40).bind_tools([switch]).invoke([HumanMessage("Turn on the kitchen light.")])
+    assert asked == ["Turn on the kitchen light."] and [c["name"] for c in call.tool_calls] == ["switch"]
+    asked.clear()
+    remote(server, max_tokens=4, auto_tool_policy="model").bind_tools([switch]).invoke("Turn on the light.")
+    assert asked == []
