@@ -13,7 +13,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langchain_core.tools import BaseTool, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-import kamera_langchain.chat_models as chat_models
+import kamera_sdk.auto_tools as auto_tools
 from kamera_langchain import ChatKamera
 from kamera_langchain.chat_models import chat_engine
 from kamera_sdk import ChatFormat, Engine, ToolSpec, answer_prompt, relevant_tools, tool_relevance
@@ -78,7 +78,7 @@ def test_relevance_policy_calls_only_a_relevant_tool_or_answers_in_text(
         seen.append((request, list(called)))
         return [t for t in tools if t.name in relevant]
 
-    monkeypatch.setattr(chat_models, "relevant_tools", decided)
+    monkeypatch.setattr(auto_tools, "relevant_tools", decided)
     llm = ChatKamera(engine=tiny, max_tokens=40).bind_tools([switch, ring])
     reply = llm.invoke([HumanMessage("Turn on the kitchen light.")])
     assert seen == [("Turn on the kitchen light.", [])]
@@ -105,7 +105,7 @@ def test_model_policy_leaves_the_choice_to_the_grammar(tiny: Engine, monkeypatch
     def never(*_: object, **__: object) -> list[ToolSpec]:
         raise AssertionError("the model policy measures no relevance")
 
-    monkeypatch.setattr(chat_models, "relevant_tools", never)
+    monkeypatch.setattr(auto_tools, "relevant_tools", never)
     reply = ChatKamera(engine=tiny, max_tokens=40, auto_tool_policy="model").bind_tools([switch]).invoke("hi")
     assert reply.tool_calls or not str(reply.content).lstrip().startswith("{")
     with pytest.raises(ValueError, match="auto_tool_policy"):
