@@ -417,9 +417,17 @@ class Engine:
                 return carried
         return run_forward(self.model, input_ids, past, start, logits=logits)
 
-    @cached_property
+    @property
     def anchor_kv(self) -> KV:
-        """KV of the fixed anchor (chat header) at positions 0.., computed once."""
+        """KV of the fixed anchor (chat header) at positions 0.., computed once: windows ask for it concurrently,
+        and the first result published is the one every caller gets (a racing second forward is dropped; no
+        lock is held across a forward that a scheduler may be carrying)."""
+        kv = self.__dict__.get("_anchor_kv")
+        if kv is None:
+            kv = self.__dict__.setdefault("_anchor_kv", self._anchor_forward())  # atomic: one winner
+        return kv
+
+    def _anchor_forward(self) -> KV:
         if not self.anchor_ids:
             empty_k = torch.empty(self.num_layers, 0, self.num_kv_heads, self.key_dim, dtype=self.dtype)
             empty_v = torch.empty(self.num_layers, 0, self.num_kv_heads, self.value_dim, dtype=self.dtype)
@@ -432,7 +440,9 @@ class Engine:
         The rotary band of the keys is the one the forward handed RoPE, as the model writes it at angle 0
         (``canonical_source == "pre_rope"``): nothing is un-rotated, so a 16-bit canonical loses no bits
         to a rotation back. Values, and features past the band, are the written ones. A model whose RoPE
-        call cannot be recorded un-rotates the written keys (``make_free``). The forward runs alone, never
+        call cannot be recorded un-rotates the written keys (``make_free``); a chunk whose recording fails
+        on a model whose probe passed raises ``UnsupportedModelError`` (never one un-rotated canonical among
+        pre-RoPE ones: it would be keyed and placed as one). The forward runs alone, never
         packed into a scheduler's step, so a canonical's bits do not depend on what else is running.
 
         ``anchored=False`` computes it with no anchor at all (the chunk's first token becomes an
@@ -451,8 +461,11 @@ class Engine:
         try:
             band = self._pre_rope_band(kv, keys).to("cpu")
         except ValueError as exc:  # the probe passed, so the model took another path for this forward
-            log.warning("%s: canonical by un-rotation for this chunk: %s", self.name, exc)
-            return self.make_free(kv)
+            # never un-rotate this one chunk instead: it would be stored and placed as a pre-RoPE canonical
+            raise UnsupportedModelError(
+                f"{self.name}: the pre-RoPE capture failed for a chunk of {len(ids)} tokens ({exc}); "
+                "set canonical_source = 'unrotation' to compile every canonical by un-rotation"
+            ) from exc
         r = band.shape[-1]
         slot = (kv.values if self.rope_in_values else kv.keys).clone()
         slot[..., :r] = band

@@ -21,7 +21,7 @@ from functools import cached_property
 
 import torch
 
-from kamera_engine import KV, Engine
+from kamera_engine import KV, Engine, Patch
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
 from kamera_engine.window_buffer import Key, WindowBuffer
@@ -218,12 +218,10 @@ class Executor:
         got = buffer.reuse(keys) if keys else None
         if got is not None:
             return got
-        kv, free = self._serve(sp, slot)
-        if sp.source is Source.PATCH and keep_slot_kv and free is not None:
-            # the slot keeps the reconstructed KV: kept next time, it is placed by the same rotation
-            keys = [*keys, ("free", free, sp.start)]
-        held = None if sp.source is Source.PATCH and not keep_slot_kv else free  # no slot keeps that reconstruction
-        return buffer.append(kv, keys=keys, note=held), free
+        kv, free = self._serve(sp, slot, keep_slot_kv)
+        # a patched slot's rows are ``apply(canonical, patch)`` (under ``rotation="model"`` not a placement of the
+        # reconstruction it keeps): kept next time, it is placed the same way, under the same key (``_keys``)
+        return buffer.append(kv, keys=keys, note=free), free
 
     @staticmethod
     def _keys(sp: SlotPlan, slot: Slot) -> list[Key]:
@@ -231,6 +229,8 @@ class Executor:
         its position-free KV (a kept slot's, the resident canonical) or the canonical and patch it is
         reconstructed from, and its position. A prefix source's KV (a view of earlier rows) has none."""
         canonical = sp.chunk.canonical
+        if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None and slot.patch is not None:
+            return [] if canonical is None else [("patch", canonical, slot.patch, sp.start)]
         if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None:
             return [("free", slot.kv, sp.start)]
         if sp.source is Source.PATCH and sp.patch is not None and canonical is not None:
@@ -239,11 +239,15 @@ class Executor:
             return [("free", canonical, sp.start)]
         return []
 
-    def _serve(self, sp: SlotPlan, slot: Slot) -> tuple[KV, KV | None]:
-        """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot."""
+    def _serve(self, sp: SlotPlan, slot: Slot, keep_slot_kv: bool) -> tuple[KV, KV | None]:
+        """Placed KV (and the position-free conditioned KV, when there is one) for a non-forward slot. A
+        patched slot is placed from its canonical and patch in one ``apply`` (so the engine computes it as a
+        patched chunk, ``operator.apply_patch``); its reconstruction is computed only for a slot that keeps it."""
         e = self.engine
         if sp.source in (Source.KEEP, Source.SURVIVOR):
             assert slot.kv is not None  # the policy only keeps materialised slots
+            if slot.patch is not None:  # the kept reconstruction, placed as its patched serve was
+                return e.apply(self.canonical(sp.chunk), slot.patch, sp.start), slot.kv
             return e.apply(slot.kv, None, sp.start), slot.kv
         if sp.source is Source.PREFIX:
             assert sp.reuse_kv is not None
@@ -251,8 +255,8 @@ class Executor:
         canonical = self.canonical(sp.chunk)
         if sp.source is Source.PATCH:
             assert sp.patch is not None
-            free = e.reconstruct(canonical, sp.patch.patch)
-            return e.apply(free, None, sp.start), free
+            free = e.reconstruct(canonical, sp.patch.patch) if keep_slot_kv else None
+            return e.apply(canonical, sp.patch.patch, sp.start), free
         return e.apply(canonical, None, sp.start), canonical  # LEAD, BLIND, or SELECTIVE before its repair
 
     def _selective(self, plan: Plan, assembled: KV) -> tuple[KV, list[KV]]:
@@ -326,7 +330,14 @@ class Executor:
             self.orphans.append((sp.chunk, slot.kv, slot.pending))  # never dropped: formed later
         self._record(sp, slot, graph, step)
         graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
-        return Slot(sp.chunk.id, free if keep_slot_kv else None, sp.antecedent, sp.source.value, absorbed, pending)
+        kept = free if keep_slot_kv else None
+        if kept is None or formed:
+            patch = None
+        elif sp.source is Source.PATCH:
+            patch = sp.patch.patch if sp.patch is not None else None
+        else:
+            patch = slot.patch if sp.source in (Source.KEEP, Source.SURVIVOR) else None
+        return Slot(sp.chunk.id, kept, sp.antecedent, sp.source.value, absorbed, pending, patch=patch)
 
     def _record(self, sp: SlotPlan, slot: Slot, graph: DependencyGraph, step: int) -> None:
         """Log the slot's decision and count what it was (before its conditioning is recorded: a stale
@@ -469,6 +480,10 @@ class Executor:
                 if drop:
                     continue
                 parts.append(e.apply(self.canonical(sp.chunk), None, pos))
+            elif (patch := self._served_patch(sp, execution.slots[i])) is not None:  # placed as it was served
+                placed = execution.placed[i]
+                moved = int(placed.positions[0]) != pos
+                parts.append(e.apply(self.canonical(sp.chunk), patch, pos) if moved else placed)
             else:
                 placed, free = execution.placed[i], execution.slots[i].kv
                 if int(placed.positions[0]) == pos:
@@ -479,6 +494,13 @@ class Executor:
                     parts.append(e.relocate(placed, pos))
             pos += len(sp.chunk)
         return parts, pos
+
+    @staticmethod
+    def _served_patch(sp: SlotPlan, slot: Slot) -> Patch | None:
+        """The patch a slot's placed KV was computed with (its own stored patch, or a kept reconstruction's)."""
+        if sp.source is Source.PATCH and sp.patch is not None:
+            return sp.patch.patch
+        return slot.patch if sp.source in (Source.KEEP, Source.SURVIVOR) else None
 
     @staticmethod
     def _absorbed(sp: SlotPlan, slot: Slot, prior: dict[ChunkId, frozenset]) -> frozenset:

@@ -33,13 +33,22 @@ class Persistence:
     def __init__(self, store: ChunkStore, engine: Engine, stats: WindowStats) -> None:
         self.store = store
         self.fingerprint = engine.fingerprint
-        # canonicals depend on the anchor they were compiled after, and on the KV dtype
+        # canonicals depend on the anchor they were compiled after, on the KV dtype, and on how their keys were
+        # made (``Engine.canonical_source``): a placement rotates a pre-RoPE canonical the model's way, so an
+        # un-rotated one must never be read as one (entries of older versions, keyed without it, miss)
         anchor = sequence_digest([str(t) for t in engine.anchor_ids])
-        self.canonical_variant = f"anchor={anchor};dtype={str(engine.dtype).replace('torch.', '')}"
+        self._engine = engine
+        self._canonical_prefix = f"anchor={anchor};dtype={str(engine.dtype).replace('torch.', '')}"
         self.anchor = anchor
         self.stats = stats
         self.device = engine.device  # loaded entries are uploaded there (pinned memory, a side stream on CUDA)
         self._prefetched: dict[str, Future[StoreEntry | None]] = {}
+
+    @property
+    def canonical_variant(self) -> str:
+        """The variant of this engine's canonical entries (the engine's key source read each time: it is
+        assignable)."""
+        return f"{self._canonical_prefix};keys={self._engine.canonical_source}"
 
     def canonical_key(self, chunk: Chunk) -> EntryKey:
         return EntryKey(self.fingerprint, EntryKind.CANONICAL, chunk.id, self.canonical_variant + _frame(chunk))

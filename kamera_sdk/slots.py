@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kamera_engine import KV
+from kamera_engine import KV, Patch
 
 from .chunks import Antecedent, ChunkId, PatchKind, StoredPatch
 
@@ -33,8 +33,10 @@ class Slot:
     ``kv`` is the chunk's conditioned KV in the position-free frame (keys at angle 0), so every later
     placement is one rotation from angle 0, never a chain. ``antecedent`` is what that KV is conditioned
     on now; ``absorbed`` is every chunk whose content that KV has taken in (a survivor keeps the
-    conditioning of chunks that slid out). Slots are immutable: an operation builds new slots, so forks
-    can share the old ones.
+    conditioning of chunks that slid out). ``patch``: when ``kv`` is the chunk's canonical plus this patch
+    (served from a stored patch), the slot is placed from the canonical and the patch again, so every
+    placement of it rounds as the patched one did. Slots are immutable: an operation builds new slots, so
+    forks can share the old ones.
     """
 
     chunk_id: ChunkId
@@ -44,6 +46,7 @@ class Slot:
     absorbed: frozenset[ChunkId] = frozenset()
     pending: PendingPatch | None = None
     recalled: bool = False  # re-admitted after an eviction and not materialised since
+    patch: Patch | None = None
 
     def materialised(self) -> bool:
         return self.kv is not None and self.antecedent is not None

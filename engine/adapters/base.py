@@ -133,10 +133,6 @@ def adapter_for(config: Any, name: str | None = None) -> ModelAdapter:
 
 
 # --- measurement hooks (reference for relocation exactness) -----------------------------------------
-def _modeling_module(model: nn.Module) -> Any:
-    return modeling_module(model)
-
-
 @contextmanager
 def capture_pre_rope_keys(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Record the keys each attention layer of a forward in this context passes to RoPE (pre-rotation), in
@@ -161,7 +157,7 @@ def reference_rotate(
     """Rotate pre-RoPE keys (B, H, T, D) to ``positions`` with the model's own RoPE code."""
     rot = adapter.rotary_module(model)
     cos, sin = rot(keys, positions[None].to(keys.device))
-    _, k = _modeling_module(model).apply_rotary_pos_emb(keys, keys, cos, sin)
+    _, k = modeling_module(model).apply_rotary_pos_emb(keys, keys, cos, sin)
     return k
 
 

@@ -122,8 +122,12 @@ def recording(modules: Iterable[ModuleType], names: Sequence[str], recorder: Rec
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
-        _uninstall(targets)
+        try:
+            # a generator-based context manager may be closed from another context, where ``reset`` raises
+            # ValueError: the wrappers still go (their count would never reach 0 again)
+            _ACTIVE.reset(token)
+        finally:
+            _uninstall(targets)
 
 
 def modeling_module(model: nn.Module) -> ModuleType:

@@ -11,6 +11,7 @@ the same model also skips the tower.
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ class VisionCache:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._mem: dict[str, Features] = {}
         self.stats = VisionCacheStats()
+        self._lock = threading.Lock()  # windows of one engine use it concurrently: counts and entries stay whole
 
     def key(self, digest: str, layout: str) -> str:
         return hashlib.blake2b(f"{self.fingerprint}|{digest}|{layout}".encode(), digest_size=16).hexdigest()
@@ -47,10 +49,11 @@ class VisionCache:
         return key in self._mem
 
     def get(self, key: str) -> Features | None:
-        feats = self._mem.get(key)
-        if feats is not None:
-            self.stats.hits += 1
-            return feats
+        with self._lock:
+            feats = self._mem.get(key)
+            if feats is not None:
+                self.stats.hits += 1
+                return feats
         if self.directory is not None:
             path = self.directory / f"{key}.safetensors"
             if path.is_file():
@@ -59,7 +62,8 @@ class VisionCache:
                 t = load_file(str(path))
                 feats = Features(t["embeds"], t.get("deepstack"))
                 self._put(key, feats)
-                self.stats.disk_hits += 1
+                with self._lock:
+                    self.stats.disk_hits += 1
                 return feats
         return None
 
@@ -76,19 +80,22 @@ class VisionCache:
             tmp.replace(self.directory / f"{key}.safetensors")
 
     def _put(self, key: str, feats: Features) -> None:
-        if key not in self._mem:
-            self.stats.entries += 1
-            self.stats.bytes += feats.nbytes
-        self._mem[key] = feats
+        with self._lock:
+            if key not in self._mem:
+                self.stats.entries += 1
+                self.stats.bytes += feats.nbytes
+            self._mem[key] = feats
 
     def counted_run(self) -> None:
-        self.stats.tower_runs += 1
+        with self._lock:
+            self.stats.tower_runs += 1
 
     def clear_memory(self) -> None:
         """Drop the in-memory tier (entries on disk stay)."""
-        self._mem.clear()
-        self.stats.entries = 0
-        self.stats.bytes = 0
+        with self._lock:
+            self._mem.clear()
+            self.stats.entries = 0
+            self.stats.bytes = 0
 
 
 def tensors_device(feats: Features, device: torch.device, dtype: torch.dtype) -> Features:

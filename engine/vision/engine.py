@@ -31,6 +31,7 @@ deltas into the spec it rotates with (:meth:`VisionEngine.rope_for`). Loading go
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,9 @@ class VisionEngine(Engine):
         self._entries: list[MediaEntry] = []
         self._bases = torch.empty(0, dtype=torch.long)
         self._by_digest: dict[tuple[str, str], MediaEntry] = {}
+        # windows register media concurrently (each window's gate is its own): one registration at a time, so
+        # each gets its own range of virtual ids and a digest's tower runs once
+        self._media_lock = threading.Lock()
         super().__init__(model, self.family.tokenizer(), name=name, anchor_ids=anchor_ids, attention=attention)
         axes = self.family.rope_axes(self.operator_rope.rotary_dim // 2)
         self._mrope: MRopeSpec | None = None if axes is None else MRopeSpec.of(self.operator_rope, axes)
@@ -145,6 +149,15 @@ class VisionEngine(Engine):
     def _register(self, kind: str, digest: str, make: Any) -> MediaEntry:
         known = self._by_digest.get((kind, digest))
         if known is not None:
+            return known
+        with self._media_lock:
+            return self._register_locked(kind, digest, make)
+
+    def _register_locked(self, kind: str, digest: str, make: Any) -> MediaEntry:
+        """``_register`` under the media lock: the range after every registered entry's becomes this one's,
+        and the entry is published (``_entries`` before ``_bases``, which ``_lookup`` reads first) at once."""
+        known = self._by_digest.get((kind, digest))
+        if known is not None:  # registered by another thread while this one waited
             return known
         media: MediaInput = make()
         key = self.vision_cache.key(digest, f"{self.family.name}:{kind}")

@@ -132,6 +132,23 @@ def test_a_family_whose_rope_call_cannot_be_recorded_unrotates(monkeypatch: pyte
         engine.canonical_source = "pre_rope"
 
 
+def test_a_chunk_whose_recording_fails_is_an_error_not_one_unrotated_canonical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe passed, so a failed recording is unexpected: a typed error naming the chunk and the reason,
+    never one un-rotated canonical keyed and placed as a pre-RoPE one."""
+    engine = bf16_engine("llama")
+    assert engine.canonical_source == "pre_rope"
+
+    def fail(kv: KV, keys: PreRopeKeys) -> torch.Tensor:
+        raise ValueError("3 RoPE calls recorded for 2 layers")
+
+    monkeypatch.setattr(engine, "_pre_rope_band", fail)
+    with pytest.raises(UnsupportedModelError, match=r"chunk of 11 tokens \(3 RoPE calls recorded for 2 layers\)"):
+        engine.canonical(random_ids(11, seed=8))
+    assert not is_recording()
+
+
 # --- scoping ---------------------------------------------------------------------------------------------------
 def _family_module() -> object:
     return sys.modules[type(tiny_model("llama").model.layers[0]).__module__]
@@ -237,3 +254,22 @@ def test_default_model_bf16_canonical_within_one_ulp() -> None:
     engine = Engine.load(dtype="bfloat16", device="cpu")
     text = "The position-free cache stores each chunk's keys at angle zero and rotates them into place."
     assert_layer0_within_one_ulp(engine, engine.tokenize(text))
+
+
+def test_a_recording_closed_from_another_context_still_restores_the_function() -> None:
+    """A generator-based context manager can be closed from another ``contextvars`` context, where resetting
+    the recorder's token raises: the family function is the original again all the same."""
+    import contextvars
+
+    engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
+    module = _family_module()
+    original = module.apply_rotary_pos_emb
+    cm = recording(engine.adapter.rope_modules(engine.model), engine.adapter.rope_functions, PreRopeKeys())
+    contextvars.copy_context().run(cm.__enter__)
+    assert module.apply_rotary_pos_emb is not original
+    with pytest.raises(ValueError, match="different Context"):
+        cm.__exit__(None, None, None)
+    assert module.apply_rotary_pos_emb is original
+    ids = random_ids(10, seed=9)
+    assert torch.equal(engine.canonical(ids).keys, engine.canonical(ids).keys)
+    assert module.apply_rotary_pos_emb is original

@@ -197,3 +197,28 @@ def test_patches_formed_under_other_settings_are_not_reused(tmp_path: Path) -> N
         full.add(random_ids(8, seed=940 + i))
     assert [p.patch.layers for p in full.chunk(ids[1]).patches] == [(1,)]  # loaded: formed on the deep half
     assert full.plan().slots[1].source is Source.FORWARD  # but all-layer windows form their own
+
+
+def test_canonicals_are_keyed_by_how_their_keys_were_made(tmp_path: Path) -> None:
+    """An un-rotated canonical (an older store, or a model without pre-RoPE capture) is never read by an
+    engine that compiles pre-RoPE ones (a placement rotates those the model's way), nor the other way."""
+    engine = tiny_engine("llama", seed=27)
+    assert engine.canonical_source == "pre_rope"
+    ids = random_ids(12, seed=930)
+    engine.canonical_source = "unrotation"
+    with ContextWindow(engine, policy="blind", store=tmp_path / "s") as win:
+        win.add(ids)
+        win.flush()
+    engine.canonical_source = "pre_rope"
+    win = ContextWindow(engine, policy="blind", store=tmp_path / "s")
+    c = win.add(ids)
+    st = win.stats()
+    assert (st.canonicals_computed, st.store_loads) == (1, 0)  # the un-rotated entry is not this engine's
+    got = win.chunk(c).canonical
+    assert got is not None and torch.equal(got.keys, engine.canonical(ids).keys)
+    win.close()
+    engine.canonical_source = "unrotation"
+    again = ContextWindow(engine, policy="blind", store=tmp_path / "s")
+    again.add(ids)
+    assert (again.stats().canonicals_computed, again.stats().store_loads) == (0, 1)  # its own entry is found
+    again.close()
