@@ -33,11 +33,13 @@ from .loading import LoadSettings, ModelSource, load_engine
 from .operator import Patch
 from .rope import HALF_DTYPES, RopeSpec, check_rotation
 from .runner import ForwardResult, Prefilled, run_forward
-from .scheduler import active_scheduler
+from .scheduler import active_scheduler, driven_scheduler, forwards_alone
 
 _SENTINEL = "\u2063KAMERA\u2063"
 
 log = logging.getLogger(__name__)
+#: guards ``Engine.counters`` (forwards are counted from window threads and a scheduler's driver at once)
+_COUNT_LOCK = threading.Lock()
 
 #: where ``Engine.canonical`` takes a chunk's position-free keys from (docs/gpu.md, "bf16 and fp16")
 CANONICAL_SOURCES = ("pre_rope", "unrotation")
@@ -344,9 +346,17 @@ class Engine:
         self.count_forward(int(input_ids.numel()), time.perf_counter() - t0)
         return res
 
-    def count_forward(self, tokens: int, seconds: float) -> None:
-        """Count one forward in ``counters`` and in the calling thread's ``thread_counters``."""
-        for c in (self.counters, self.thread_counters):
+    def count_forward(self, tokens: int, seconds: float, *, per_thread: bool = True) -> None:
+        """Count one forward in ``counters`` (under a lock: windows on several threads count at once) and,
+        unless ``per_thread`` is False (a scheduler's step, which runs other callers' work), in the calling
+        thread's ``thread_counters``."""
+        with _COUNT_LOCK:
+            c = self.counters
+            c.forwards += 1
+            c.tokens_prefilled += tokens
+            c.forward_s += seconds
+        if per_thread:
+            c = self.thread_counters  # this thread's own: no other thread writes it
             c.forwards += 1
             c.tokens_prefilled += tokens
             c.forward_s += seconds
@@ -409,13 +419,18 @@ class Engine:
         """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
         self.check_ids(input_ids)
         batching = active_scheduler(self)
-        # in a step with every running decode, when some are running; a forward whose RoPE inputs are being
-        # recorded runs alone (the recorder would see the packed rows of the other requests)
-        if batching is not None and not is_recording():
-            carried = batching[0].carry(input_ids, past, start, logits)
+        sched = batching[0] if batching is not None else driven_scheduler(self)
+        if sched is None:
+            return run_forward(self.model, input_ids, past, start, logits=logits)
+        # under ``serving``, in a step with every running decode and other windows' forwards; one whose RoPE
+        # inputs are being recorded (the recorder would see the packed rows of the other requests), one asked
+        # to run alone, and one outside ``serving`` while a thread drives the scheduler run between two steps,
+        # the unbatched path bit for bit: the model runs one forward at a time
+        if batching is not None and not (is_recording() or forwards_alone()):
+            carried = sched.carry(input_ids, past, start, logits)
             if carried is not None:
                 return carried
-        return run_forward(self.model, input_ids, past, start, logits=logits)
+        return sched.run_alone(lambda: run_forward(self.model, input_ids, past, start, logits=logits))
 
     @property
     def anchor_kv(self) -> KV:

@@ -9,7 +9,14 @@ Decoding requests keep their KV in the scheduler's ``DecodeSlab`` (while it fits
 step's decode rows attend in one call.
 A window's own forwards (``Engine.forward`` under ``serving``, from any thread) are carried: they wait for
 the next step and run as rows of it, with every running decode, waiting prompts and other windows'
-forwards (``carry``); the scheduler is the one place that serialises and batches the engine's forwards.
+forwards (``carry``). A forward that must not be packed with others (one whose RoPE inputs are recorded,
+one inside :func:`alone`, one outside ``serving`` while a thread drives the scheduler) runs alone between
+two steps (``run_alone``): the unbatched path, bit for bit. So the engine's forwards through
+``Engine.forward`` reach the model one at a time, through the scheduler (selective recompute, which runs
+decoder layers itself, is the exception: it runs on its caller's thread). Whether a
+carried forward runs alone or batched depends on what else is queued: a batched row equals its lone
+forward within float32 rounding (1e-4), not bit for bit; a forward whose result must not depend on load
+runs inside :func:`alone`.
 
 A request's tokens stream back through its ``Request`` handle: a blocking iterator (which drives the
 scheduler itself when no thread does) and an async iterator. Requests under one submitter key (one
@@ -20,15 +27,18 @@ work that does not fit waits in a bounded queue, and past that it is refused wit
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel
@@ -44,10 +54,38 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .runner import Prefilled
 
+T = TypeVar("T")
+log = logging.getLogger("kamera.scheduler")
+
 RequestState = Literal["waiting", "prefill", "decode", "done", "failed", "cancelled"]
 
 #: The scheduler that ``Engine.generate_ids`` / ``continue_ids`` submit to in this context, and the key.
 _ACTIVE: ContextVar[tuple[Scheduler, Hashable | None] | None] = ContextVar("kamera_scheduler", default=None)
+
+
+#: Whether forwards in this context must run alone (never packed into a step with other rows).
+_ALONE: ContextVar[bool] = ContextVar("kamera_forward_alone", default=False)
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Within this block, the engine's forwards run alone even under a scheduler (``Scheduler.run_alone``):
+    the unbatched path bit for bit, so a result compared with a threshold cannot flip with the load."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
+def forwards_alone() -> bool:
+    """Whether the calling context asked for lone forwards (:func:`alone`)."""
+    return _ALONE.get()
+
+
+#: per engine, the scheduler a thread drives now (``Scheduler.driving``)
+_DRIVEN: weakref.WeakKeyDictionary[object, Scheduler] = weakref.WeakKeyDictionary()
+_DRIVEN_LOCK = threading.Lock()
 
 
 def active_scheduler(engine: object) -> tuple[Scheduler, Hashable | None] | None:
@@ -57,6 +95,16 @@ def active_scheduler(engine: object) -> tuple[Scheduler, Hashable | None] | None
         return active
     own = getattr(engine, "scheduler", None)
     return (own, None) if isinstance(own, Scheduler) else None
+
+
+def driven_scheduler(engine: object) -> Scheduler | None:
+    """The scheduler a thread drives for ``engine`` now, if any: a forward outside ``serving`` (a window's
+    idle-time work, a score) runs alone through it (``run_alone``), never beside its steps."""
+    with _DRIVEN_LOCK:
+        try:
+            return _DRIVEN.get(engine)
+        except TypeError:  # an engine that cannot be weakly referenced is never registered
+            return None
 
 
 class SchedulerStats(BaseModel):
@@ -82,6 +130,8 @@ class SchedulerStats(BaseModel):
     carried_rows_total: int = 0  # window forwards' rows summed over those steps (chunks count one each)
     carried_rows_max: int = 0  # most window forwards' rows in one step
     carried_waiting: int = 0  # window forwards waiting for or running in steps now
+    carried_failed: int = 0  # window forwards whose planning or assembly failed (the caller got the error)
+    alone: int = 0  # forwards run alone between steps on request (``run_alone``: recording, ``alone()``)
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
     slab_rows: int = 0  # decoding requests whose KV sits in the decode slab now (attended in one call)
@@ -226,6 +276,17 @@ class _Carried:
     finished: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(eq=False, slots=True)
+class _AloneJob:
+    """A forward to run alone between two steps (``run_alone``), in its caller's context."""
+
+    fn: Callable[[], Any]
+    context: contextvars.Context
+    result: Any = None
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
 @dataclass(slots=True)
 class _CarriedChunk:
     item: _Carried
@@ -279,6 +340,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._carried: list[_Carried] = []  # window forwards (``carry``) waiting for or running in steps
+        self._alone_jobs: deque[_AloneJob] = deque()  # forwards to run alone between steps (``run_alone``)
+        self._stepping: int | None = None  # the thread holding the step lock
         self._kv_bytes = 0
         self._slab = DecodeSlab()  # decoding requests' KV side by side: one attention call for all of them
         self._slab_need = 0  # need_bytes of the requests in the slab
@@ -384,23 +447,42 @@ class Scheduler:
     # --- stepping ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._running or self._waiting or self._carried)
+            return bool(self._running or self._waiting or self._carried or self._alone_jobs)
 
     def step(self) -> bool:
-        """Admit what fits, run one batched forward, hand out its tokens. False when there was no work."""
+        """Run the forwards waiting to run alone, if any; else admit what fits, run one batched forward and
+        hand out its tokens. False when there was no work."""
         with self._step_lock:
             return self._step_locked()
 
     def _step_locked(self) -> bool:
+        self._stepping = threading.get_ident()
+        try:
+            if self._run_alone_jobs():
+                return True
+            return self._batched_step()
+        finally:
+            self._stepping = None
+
+    def _batched_step(self) -> bool:
         self._admit()
         lone = self._lone_window_forward()
         if lone is not None:  # one window forward and nothing else to run: the unbatched path, bit for bit
             self._run_alone(lone)
             self._stats.carried_alone += 1
             return True
-        plan = self._plan()
-        if not plan.rows and not plan.carried:
-            return False
+        plan = _Plan()
+        try:
+            self._plan(plan)
+            if not plan.rows and not plan.carried:
+                return False
+            self._run_plan(plan)
+        except Exception as exc:  # a failure outside the forward: its rows' owners get it, later work goes on
+            log.exception("scheduler step failed outside its forward: %s", exc)
+            self._fail_plan(plan, _as_kamera(exc))
+        return True
+
+    def _run_plan(self, plan: _Plan) -> None:
         rows = [*plan.rows, *(c.row for c in plan.carried)]
         t0 = time.perf_counter()
         try:
@@ -419,17 +501,64 @@ class Scheduler:
                 continue  # failed alone, or a prompt chunk that is not the last
             if req.state == "cancelled":
                 continue
-            if req.state == "prefill":
-                if not finishing:
-                    continue
-                req.state = "decode"
-                self._take(req, lg)
-                self._to_slab(req)
-            else:
-                self._take(req, lg)
+            try:
+                if req.state == "prefill":
+                    if not finishing:
+                        continue
+                    req.state = "decode"
+                    self._take(req, lg)
+                    self._to_slab(req)
+                else:
+                    self._take(req, lg)
+            except Exception as exc:  # this request's own failure (its sampling or grammar): it alone fails
+                self._finish(req, "failed", error=_as_kamera(exc))
         for chunk, lg in zip(plan.carried, logits[len(plan.rows) :], strict=True):
             self._carried_chunk_done(chunk, lg)
-        return True
+
+    def _fail_plan(self, plan: _Plan, error: BaseException) -> None:
+        """Fail every row of a step that broke outside its forward: the callers of its window forwards raise
+        ``error``, its requests end failed; nothing of it stays queued."""
+        for chunk in plan.carried:
+            self._carried_fail(chunk.item, error)
+        for req in plan.requests:
+            self._finish(req, "failed", error=error)
+
+    def run_alone(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (one forward on the engine's model) alone, between two steps: never packed with other
+        rows, never beside a step, so its result is the unbatched path's, bit for bit, and the model runs
+        one forward at a time. ``fn`` runs in the calling context (a recording open there sees it) on the
+        thread that drives the scheduler, or on this one when none does; its error is raised here. Called
+        while this thread is running a step, ``fn`` runs at once."""
+        if self._stepping == threading.get_ident():
+            return fn()
+        job = _AloneJob(fn, contextvars.copy_context())
+        with self._lock:
+            self._alone_jobs.append(job)
+        self.notify()
+        while not job.finished.is_set():
+            if self._driven_elsewhere():
+                job.finished.wait(0.5)  # the driver runs it (rechecked: a driver may stop)
+                continue
+            with self._step_lock:  # no driver: run it here, between two steps
+                if not job.finished.is_set():
+                    self._step_locked()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[no-any-return]
+
+    def _run_alone_jobs(self) -> bool:
+        """Run every forward queued to run alone (in arrival order); whether there was one."""
+        with self._lock:
+            jobs = list(self._alone_jobs)
+            self._alone_jobs.clear()
+        for job in jobs:
+            try:
+                job.result = job.context.run(job.fn)
+            except BaseException as exc:  # the caller's error, raised on its own thread
+                job.error = exc
+            self._stats.alone += 1
+            job.finished.set()
+        return bool(jobs)
 
     def carry(self, ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult | None:
         """Run a caller's own forward (``Engine.forward``: a window's new page, its prompt, a cascade) in the
@@ -441,7 +570,8 @@ class Scheduler:
         calling thread steps the scheduler itself. A step that holds this forward and nothing else runs it
         alone (``run_forward``, bit for bit the unbatched path). A forward longer than what is left of a
         step's ``step_tokens`` is split over several steps (chunked prefill). When the combined forward
-        fails, every window forward of the step runs alone and its own error (if any) is raised here.
+        fails, every window forward of the step runs alone and its own error (if any) is raised here; an
+        error copying this forward's past or assembling its result is raised here too (the step goes on).
         Returns None only for a ``logits`` mode it does not know (the caller runs its forward itself). The
         forward is counted by ``Engine.forward``, not again in the engine's counters."""
         if logits not in ("last", "all", "none"):
@@ -479,21 +609,26 @@ class Scheduler:
 
     def _plan_carried(self, plan: _Plan, budget: int) -> int:
         """Add chunks of the waiting window forwards (in arrival order) to ``plan`` within ``budget`` tokens;
-        returns what is left of the budget."""
+        returns what is left of the budget. A forward whose past cannot be copied fails on its own (its
+        caller raises the error); the others are planned."""
         with self._lock:
             pending = list(self._carried)
         device = next(self.engine.model.parameters()).device
         for item in pending:
             if budget <= 0 or len(plan.rows) + len(plan.carried) >= self.max_rows:
                 break
-            n = int(item.ids.numel())
-            if item.cache is None:
-                item.cache = RowCache.from_past(item.past, self.engine.num_layers, reserve=n, device=device)
-                item.n_past = len(item.cache)
-            k = min(n - item.done, budget)
-            final = item.done + k == n
-            mode = "all" if item.logits == "all" else ("last" if final else "none")
-            row = Row.at(item.cache, item.ids[item.done : item.done + k], item.start + item.done, logits=mode)
+            try:
+                n = int(item.ids.numel())
+                if item.cache is None:
+                    item.cache = RowCache.from_past(item.past, self.engine.num_layers, reserve=n, device=device)
+                    item.n_past = len(item.cache)
+                k = min(n - item.done, budget)
+                final = item.done + k == n
+                mode = "all" if item.logits == "all" else ("last" if final else "none")
+                row = Row.at(item.cache, item.ids[item.done : item.done + k], item.start + item.done, logits=mode)
+            except Exception as exc:
+                self._carried_fail(item, _as_kamera(exc))
+                continue
             plan.carried.append(_CarriedChunk(item, row, k, final))
             item.done += k
             budget -= k
@@ -505,16 +640,29 @@ class Scheduler:
             item.pieces.append(logits)
         if not chunk.final:
             return
-        cache = item.cache
-        assert cache is not None
-        n = int(item.ids.numel())
-        positions = torch.arange(item.start, item.start + n, dtype=torch.long)
-        dyn = DynamicCache(config=self.engine.model.config)
-        for i, (k, v) in enumerate(cache.layers()):
-            dyn.update(k, v, i)
-        kv = cache.kv(item.n_past, item.n_past + n, positions)
-        out = torch.cat(item.pieces) if item.logits == "all" else item.pieces[-1][None]
+        try:
+            cache = item.cache
+            assert cache is not None
+            n = int(item.ids.numel())
+            positions = torch.arange(item.start, item.start + n, dtype=torch.long)
+            dyn = DynamicCache(config=self.engine.model.config)
+            for i, (k, v) in enumerate(cache.layers()):
+                dyn.update(k, v, i)
+            kv = cache.kv(item.n_past, item.n_past + n, positions)
+            out = torch.cat(item.pieces) if item.logits == "all" else item.pieces[-1][None]
+        except Exception as exc:  # this forward's own result could not be assembled: its caller raises
+            self._carried_fail(item, _as_kamera(exc))
+            return
         item.result = ForwardResult(kv, out, dyn)
+        self._carried_finish(item)
+
+    def _carried_fail(self, item: _Carried, error: BaseException) -> None:
+        if item.finished.is_set():
+            return
+        item.error = error
+        item.cache = None
+        item.pieces.clear()
+        self._stats.carried_failed += 1
         self._carried_finish(item)
 
     def _carried_finish(self, item: _Carried) -> None:
@@ -552,7 +700,9 @@ class Scheduler:
             s.carried += sum(1 for c in plan.carried if c.final)
             s.carried_tokens += sum(c.tokens for c in plan.carried)
         if plan.rows:  # window forwards only: each is counted by its own ``Engine.forward``
-            self.engine.count_forward(prefill, dt)
+            # engine-wide only: the thread that ran this step (a window's, when nothing drives) did not ask
+            # for the other requests' work, and its own carried forward is counted by its ``Engine.forward``
+            self.engine.count_forward(prefill, dt, per_thread=False)
 
     def _admit(self) -> None:
         """Move waiting requests into the running set, in order, while rows and memory allow; a key's
@@ -609,8 +759,7 @@ class Scheduler:
         req._position = req._start
         req.state = "prefill"
 
-    def _plan(self) -> _Plan:
-        plan = _Plan()
+    def _plan(self, plan: _Plan) -> None:
         with self._lock:
             decoding = [r for r in self._running if r.state == "decode"]
             prefilling = [r for r in self._running if r.state == "prefill"]
@@ -625,7 +774,10 @@ class Scheduler:
             plan.finishing_prompt.append(False)
             plan.decode_rows += 1
             budget -= 1
-        budget = self._plan_carried(plan, budget)  # window forwards: callers block on them, so before prompts
+        # window forwards: callers block on them, so before prompts; they get a share of the step even when
+        # the decode rows use up its budget (else a window forward could wait as long as anything decodes)
+        carried_budget = max(budget, self._carried_share())
+        budget -= carried_budget - self._plan_carried(plan, carried_budget)  # prompts get what is left
         for req in prefilling:
             if budget <= 0 or len(plan.rows) + len(plan.carried) >= self.max_rows:
                 break
@@ -643,7 +795,11 @@ class Scheduler:
             budget -= n
         for req in plan.requests[: plan.decode_rows]:  # a decode row feeds its last token at the current position
             req._position += 1
-        return plan
+
+    def _carried_share(self) -> int:
+        """Tokens a waiting window forward gets in a step whatever the decode rows took: a quarter of
+        ``step_tokens``, at least one."""
+        return max(1, self.step_tokens // 4)
 
     def _to_slab(self, req: Request) -> None:
         """Move a request that starts decoding into the decode slab (one copy of its KV), when the slab with
@@ -749,10 +905,15 @@ class Scheduler:
     def driving(self) -> Iterator[None]:
         """Mark the current thread as the one that steps this scheduler (consumers elsewhere wait)."""
         self._driver = threading.get_ident()
+        with _DRIVEN_LOCK:
+            _DRIVEN[self.engine] = self
         try:
             yield
         finally:
             self._driver = None
+            with _DRIVEN_LOCK:
+                if _DRIVEN.get(self.engine) is self:
+                    del _DRIVEN[self.engine]
 
     def wait_for_work(self, timeout: float) -> None:
         with self._wake:

@@ -14,7 +14,8 @@ Two policies (``AUTO_TOOL_POLICIES``):
   the grammar); with none it is text. A request to call one tool twice (two cities' weather) gets one call.
 
 The scoring costs one short forward per tool and one for the neutral turn (the request and a one-line
-system turn, after the engine's anchor); the window is not touched.
+system turn, after the engine's anchor); the window is not touched. The scoring forwards run alone even
+under a scheduler (``kamera_engine.scheduler.alone``), so a decision never flips with the server's load.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Literal
 import torch
 
 from kamera_engine import Engine, Grammar, InvalidInputError
+from kamera_engine.scheduler import alone
 
 from .tools import ToolSpec, tool_grammar
 
@@ -55,7 +57,9 @@ def request_log_likelihood(engine: Engine, turn: Turn, tool: ToolSpec, request: 
         raise InvalidInputError("a relevance score needs a non-empty request")
     start = len(engine.anchor_ids)
     past = engine.anchor_kv if engine.anchor_ids else None
-    with torch.inference_mode():
+    # alone, never packed into a scheduler's step with other work: the score is compared with 0, so its
+    # rounding must not depend on what else the engine runs at the time
+    with torch.inference_mode(), alone():
         logits = engine.forward([*system, *user], past, start, logits="all").logits
     lp = torch.log_softmax(logits[len(system) - 1 : len(system) + len(user) - 1].float(), dim=-1)
     return float(lp.gather(1, torch.tensor(user).unsqueeze(1)).mean())

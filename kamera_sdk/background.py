@@ -10,13 +10,17 @@ chunks): every foreground call of the window holds it, and its background work t
 most one forward) at a time, only while no foreground call of ANY window on the engine is in progress or
 waiting (``EngineGate`` counts them). So foreground work goes first engine-wide and waits behind at most
 one background forward, while foreground calls of different windows run at once on their own threads:
-their forwards meet in the engine's scheduler, which batches them (``kamera_engine.scheduler``). The
-engine counts work per thread too (``Engine.thread_counters``), so ``metering`` still sees one call's.
+their forwards meet in the engine's scheduler, which batches them (``kamera_engine.scheduler``); an
+idle thread's forward, outside any ``serving`` block, runs alone between the scheduler's steps while a
+thread drives it (``Scheduler.run_alone``). The engine counts work per thread too
+(``Engine.thread_counters``), so ``metering`` still sees one call's.
 
-Results never depend on timing. A task is ``required`` when its outcome can change a later plan
-(patches, survivor conditioning): the next foreground operation or use of the window finishes the
-required tasks still queued before it does anything else, in the same order the background would have
-run them. Whether the idle time reached them changes only where their cost lands. The other tasks
+The plan and the tokens never depend on timing; the floating-point rounding of a forward may, within the
+batching tolerance (float32 1e-4), when a scheduler batches several windows' forwards (whether one runs
+alone or batched depends on what else is queued; docs/batching.md). A task is ``required`` when its
+outcome can change a later plan (patches, survivor conditioning): the next foreground operation or use of
+the window finishes the required tasks still queued before it does anything else, in the same order the
+background would have run them. Whether the idle time reached them changes only where their cost lands. The other tasks
 (``required=False``: canonicals, prefetches) compute exactly what the foreground would compute lazily.
 """
 

@@ -7,7 +7,9 @@ after every job queued before it, and nothing queued after it starts before it e
 drives the scheduler: each step runs, in one batched forward, every running answer's next token, prompt
 chunks, and the window forwards the jobs on the window threads are blocked on (``Scheduler.carry``), so
 several sessions' new pages and prompts share a forward. Each window's own calls exclude each other
-(its gate, ``kamera_sdk.background``); the scheduler is the one place that runs the engine's forwards.
+(its gate, ``kamera_sdk.background``); the scheduler is the one place that runs the engine's token
+forwards: a window's forward is a row of a step, and one that must run alone (a recording, a relevance
+score, a window's idle-time work) runs between two steps on the model thread (``Scheduler.run_alone``).
 Jobs run under ``scheduler.serving(key)``, so a window's ``generate`` submits to the scheduler under its
 session's key (one session's answers run in order), and an answer streams from its request on a stream
 thread.
@@ -58,6 +60,7 @@ class ModelWorker:
         self._closed = False
         self._busy: set[Hashable] = set()  # lanes with a job running
         self._barrier = False  # a barrier job is running
+        self._stop_driver = False  # set by ``close`` once the window jobs have finished
         # streams wait for their scheduler's tokens here, never on the model thread
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="kamera-stream")
         self._lanes: ThreadPoolExecutor | None = None
@@ -124,6 +127,7 @@ class ModelWorker:
             job.fut.cancel()
         if self._lanes is not None:
             self._lanes.shutdown(wait=True)  # the driver still runs: a job blocked on a forward finishes
+        self._stop_driver = True  # the lanes are drained: nothing needs a step any more
         if self.scheduler is not None:
             self.scheduler.notify()
         self._thread.join()
@@ -185,7 +189,7 @@ class ModelWorker:
         sched = self.scheduler
         assert sched is not None
         with sched.driving():
-            while not self._closed:
+            while not self._stop_driver:
                 if not self._step(sched):
                     sched.wait_for_work(0.5)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -237,14 +238,20 @@ def test_a_recording_forward_is_not_packed_into_a_scheduler_step(monkeypatch: py
     _ = engine.anchor_kv  # the anchor's own forward is a plain one
     carried: list[int] = []
 
+    alone: list[int] = []
+
     class Carrier:
         def carry(self, ids: torch.Tensor, *_: object) -> None:
             carried.append(int(ids.numel()))
             return None  # "run it alone"
 
+        def run_alone(self, fn: Callable[[], object]) -> object:  # between two steps, on its own
+            alone.append(1)
+            return fn()
+
     monkeypatch.setattr(engine_module, "active_scheduler", lambda e: (Carrier(), None))
     engine.canonical(random_ids(9, seed=7))
-    assert carried == []
+    assert carried == [] and alone == [1]  # the recording forward ran alone, between steps
     engine.forward(random_ids(5, seed=7), None, 0, logits="none")
     assert carried == [5]
 

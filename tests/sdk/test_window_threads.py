@@ -1,7 +1,10 @@
 """Windows on one engine used from several threads at once: each window's calls exclude each other (and
-its forks'), other windows' calls run at the same time, and every window answers exactly as it does
-alone: greedy answers identical, next-token log-probs within float32 1e-4. With a scheduler driving,
-the windows' forwards run in shared steps; without one, they run side by side on their threads."""
+its forks'), other windows' calls run at the same time, and every window answers as it does alone:
+next-token log-probs within float32 1e-4, and the same greedy tokens wherever the window alone picked its
+token by more than the tolerance can move (a step whose top two log-probs are closer may flip, and its
+answer may go another way from there). With a scheduler driving, the windows' forwards run in shared
+steps (batched or alone, by timing: within 1e-4 of each other, not bit for bit); without one, they run
+side by side on their threads."""
 
 from __future__ import annotations
 
@@ -17,16 +20,28 @@ from kamera_sdk.config import WindowConfig
 from tests.conftest import random_ids, tiny_model
 
 TOL = 1e-4
+#: a greedy pick whose top-two log-prob margin is below this may flip between a lone and a batched forward
+MARGIN = 4 * TOL
 ROUNDS = 4
 
 
 class _CharTokenizer:
-    """Token i decodes to chr(ord('a') + i % 26): text answers from a tiny model."""
+    """Token i decodes to the character U+0100 + i (one character per token, so an answer's text gives
+    back its tokens): text answers from a tiny model."""
 
     eos_token_id = None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
+        return "".join(chr(0x100 + i) for i in ids)
+
+
+def _tokens(text: str) -> list[int]:
+    return [ord(c) - 0x100 for c in text]
+
+
+def _margin(logprobs: torch.Tensor) -> float:
+    top = torch.topk(logprobs.float(), 2).values
+    return float(top[0] - top[1])
 
 
 @pytest.fixture
@@ -41,21 +56,42 @@ def _agent(window: ContextWindow, seed: int) -> list[tuple[str, object]]:
         window.add(random_ids(5 + (seed + r) % 7, 1000 * seed + r))
         prompt = random_ids(3 + r % 3, 500 * seed + r)
         out.append(("logprobs", window.next_token_logprobs(prompt)))
-        out.append(("answer", window.generate(prompt, max_new_tokens=6)))
+        answer = window.generate(prompt, max_new_tokens=6)
+        tokens = _tokens(answer)
+        # how clearly each greedy pick won (the log-probs after the prompt and the answer so far)
+        margins = [_margin(window.next_token_logprobs(prompt + tokens[:k])) for k in range(len(tokens))]
+        out.append(("answer", (tokens, margins)))
         if len(window) >= 3:
             out.append(("slid", window.slide(1)))
     return out
 
 
+def _same_logprobs(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``a`` within the tolerance of ``b`` (the window alone), the same greedy pick where ``b``'s is clear."""
+    assert (a - b).abs().max().item() < TOL
+    if _margin(b) > MARGIN:
+        assert int(a.argmax()) == int(b.argmax())
+
+
 def _same(got: list[tuple[str, object]], want: list[tuple[str, object]]) -> None:
     assert [k for k, _ in got] == [k for k, _ in want]
+    compared = 0
     for (kind, a), (_, b) in zip(got, want, strict=True):
         if kind == "logprobs":
             assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            assert (a - b).abs().max().item() < TOL
-            assert int(a.argmax()) == int(b.argmax())
+            _same_logprobs(a, b)
+        elif kind == "answer":
+            (tokens, _), (want_tokens, margins) = a, b  # type: ignore[misc]
+            for k, (t, w) in enumerate(zip(tokens, want_tokens, strict=False)):
+                if margins[k] <= MARGIN:
+                    break  # a near tie: from here the answer may go another way
+                assert t == w
+                compared += 1
+            else:
+                assert len(tokens) == len(want_tokens)
         else:
             assert a == b
+    assert compared > 0  # the answers were really compared (not every step a near tie)
 
 
 def _windows(engine: Engine, policies: list[str], config: WindowConfig | None = None) -> list[ContextWindow]:
@@ -136,7 +172,7 @@ def test_two_windows_forwards_run_in_one_step(engine: Engine) -> None:
     assert sched.stats().carried_rows_max == 2
     for got, want in zip(out, alone, strict=True):
         assert got is not None
-        assert (got - want).abs().max().item() < TOL and int(got.argmax()) == int(want.argmax())
+        _same_logprobs(got, want)
 
 
 def test_windows_on_threads_without_a_scheduler_answer_as_alone(engine: Engine) -> None:
