@@ -33,7 +33,7 @@ from .loading import LoadSettings, ModelSource, load_engine
 from .operator import Patch
 from .rope import HALF_DTYPES, RopeSpec, check_rotation
 from .runner import ForwardResult, Prefilled, run_forward
-from .scheduler import active_scheduler, driven_scheduler, forwards_alone
+from .scheduler import active_scheduler, alone, driven_scheduler, forwards_alone
 
 _SENTINEL = "\u2063KAMERA\u2063"
 
@@ -447,7 +447,8 @@ class Engine:
             empty_k = torch.empty(self.num_layers, 0, self.num_kv_heads, self.key_dim, dtype=self.dtype)
             empty_v = torch.empty(self.num_layers, 0, self.num_kv_heads, self.value_dim, dtype=self.dtype)
             return KV(empty_k, empty_v, torch.empty(0, dtype=torch.long))
-        return self.forward(self.anchor_ids, None, 0, logits="none").kv.to("cpu")
+        with alone():  # every window builds on it: the unbatched bits, whatever else is running
+            return self.forward(self.anchor_ids, None, 0, logits="none").kv.to("cpu")
 
     def canonical(self, ids: Sequence[int], *, anchored: bool = True) -> KV:
         """KV(B | ∅): the chunk alone after the fixed anchor, position-free (keys at angle 0).
