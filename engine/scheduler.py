@@ -535,16 +535,21 @@ class Scheduler:
         with self._lock:
             self._alone_jobs.append(job)
         self.notify()
-        while not job.finished.is_set():
-            if self._driven_elsewhere():
-                job.finished.wait(0.5)  # the driver runs it (rechecked: a driver may stop)
-                continue
-            with self._step_lock:  # no driver: run it here, between two steps
-                if not job.finished.is_set():
-                    self._step_locked()
+        self._await(job.finished)
         if job.error is not None:
             raise job.error
         return job.result  # type: ignore[no-any-return]
+
+    def _await(self, done: threading.Event) -> None:
+        """Block until ``done`` is set: by the thread driving the scheduler, or, while none does, by steps this
+        thread runs itself (another waiting caller may run the awaited work first)."""
+        while not done.is_set():
+            if self._driven_elsewhere():
+                done.wait(0.5)  # the driver runs it (rechecked: a driver may stop)
+                continue
+            with self._step_lock:
+                if not done.is_set():
+                    self._step_locked()
 
     def _run_alone_jobs(self) -> bool:
         """Run every forward queued to run alone (in arrival order); whether there was one."""
@@ -580,13 +585,7 @@ class Scheduler:
         with self._lock:
             self._carried.append(item)
         self.notify()
-        while not item.finished.is_set():
-            if self._driven_elsewhere():
-                item.finished.wait(0.5)  # the driver runs it (rechecked: a driver may stop)
-                continue
-            with self._step_lock:  # no driver: run steps here (another waiting caller may run ours first)
-                if not item.finished.is_set():
-                    self._step_locked()
+        self._await(item.finished)
         if item.error is not None:
             raise item.error
         assert item.result is not None
