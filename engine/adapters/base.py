@@ -30,8 +30,6 @@ class ModelAdapter:
     rope_style: ClassVar[str] = "half"
     #: Keys are normalised (q/k-norm) before RoPE; relocation is unaffected but worth knowing.
     keys_normalised: ClassVar[bool] = False
-    #: Keyword a decoder layer takes its cache under (used when layers are driven one by one).
-    layer_cache_kwarg: ClassVar[str] = "past_key_values"
     #: A config's ``sliding_window`` applies unless it says ``use_sliding_window=False`` (VLM text
     #: configs carry a window they do not use unless told to).
     sliding_by_default: ClassVar[bool] = True
@@ -159,11 +157,6 @@ def reference_rotate(
     cos, sin = rot(keys, positions[None].to(keys.device))
     _, k = modeling_module(model).apply_rotary_pos_emb(keys, keys, cos, sin)
     return k
-
-
-def layer_cache_kwargs(adapter: ModelAdapter, cache: Any) -> dict[str, Any]:
-    """Keyword under which a decoder layer takes the cache (families differ)."""
-    return {adapter.layer_cache_kwarg: cache}
 
 
 @contextmanager

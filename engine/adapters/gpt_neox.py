@@ -9,7 +9,6 @@ from .base import ModelAdapter, register
 class GPTNeoXAdapter(ModelAdapter):
     name = "gpt_neox"
     model_types = ("gpt_neox",)
-    layer_cache_kwarg = "layer_past"
 
     def decoder(self, model: nn.Module) -> nn.Module:
         return model.gpt_neox
