@@ -6,7 +6,9 @@ sessions (the least loaded). New sessions get
 their id here, before routing, so the create lands on the least-loaded replica under its final id. A
 request whose replica dies before it answered is retried on another (same request id: a mutating request
 the dead replica had already journaled is answered from the journal, not applied twice); the session is
-rebuilt there from the journal, so the client sees a slower answer, not an error.
+rebuilt there from the journal, so the client sees a slower answer, not an error. A whole answer (JSON) is
+read to its end before it is passed on, so a replica dying between its first and last bytes is retried
+too; only a server-sent event stream is relayed as it comes (what was sent cannot be taken back).
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ class FleetIngress:
             stream = handle.handle.remote(req)
             try:
                 head = await stream.__anext__()
-                first = await _next_or_none(stream)
+                if _event_stream(head):
+                    first, body = await _next_or_none(stream), None
+                else:  # the whole answer, so that a replica dying before its end is retried as well
+                    first, body = None, b"".join([piece async for piece in stream])
             except (*_GONE, RayTaskError) as exc:
                 if not _gone(exc) or loop.time() > deadline:
                     raise
@@ -97,6 +102,9 @@ class FleetIngress:
                 delay = min(delay * 2, 2.0)
                 continue
             break
+        if body is not None:
+            headers = {k: v for k, v in head["headers"] if k.lower() != "content-length"}
+            return Response(body, status_code=head["status"], headers=headers)
         return _response(head, first, stream)
 
     async def fleet_stats(self, session: str = "") -> dict[str, Any]:
@@ -119,6 +127,11 @@ async def _next_or_none(stream: Any) -> bytes | None:
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
+
+
+def _event_stream(head: dict[str, Any]) -> bool:
+    """Whether a replica's answer is a server-sent event stream (relayed piece by piece)."""
+    return any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
 
 
 def _response(head: dict[str, Any], first: bytes | None, stream: Any) -> Response:
