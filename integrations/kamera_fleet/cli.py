@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from functools import partial
 
@@ -36,11 +37,19 @@ def start(args: argparse.Namespace) -> str:
     return f"http://{args.host}:{args.port}"
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def up(args: argparse.Namespace) -> int:
-    """Deploy the fleet and serve until interrupted (Ctrl-C or SIGINT), then shut the application down."""
+    """Deploy the fleet and serve until interrupted (Ctrl-C, SIGINT or SIGTERM), then shut the application
+    down. The handlers are installed here: a process started in the background by a shell inherits SIGINT
+    ignored, and Python then never turns it into ``KeyboardInterrupt``."""
     import ray
     from ray import serve
 
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     url = start(args)
     print(f"kamera fleet serving on {url} (Ctrl-C stops it)", flush=True)
     try:
