@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, MutableSequence, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -532,13 +532,17 @@ class Scheduler:
         if self._stepping == threading.get_ident():
             return fn()
         job = _AloneJob(fn, contextvars.copy_context())
-        with self._lock:
-            self._alone_jobs.append(job)
-        self.notify()
-        self._await(job.finished)
+        self._queue_and_await(self._alone_jobs, job, job.finished)
         if job.error is not None:
             raise job.error
         return job.result  # type: ignore[no-any-return]
+
+    def _queue_and_await(self, queue: MutableSequence[Any], work: object, done: threading.Event) -> None:
+        """Queue ``work`` for the next step (or between steps) and block until ``done``."""
+        with self._lock:
+            queue.append(work)
+        self.notify()
+        self._await(done)
 
     def _await(self, done: threading.Event) -> None:
         """Block until ``done`` is set: by the thread driving the scheduler, or, while none does, by steps this
@@ -582,10 +586,7 @@ class Scheduler:
         if logits not in ("last", "all", "none"):
             return None
         item = _Carried(ids.to(torch.long).reshape(-1), past, start, logits)
-        with self._lock:
-            self._carried.append(item)
-        self.notify()
-        self._await(item.finished)
+        self._queue_and_await(self._carried, item, item.finished)
         if item.error is not None:
             raise item.error
         assert item.result is not None
