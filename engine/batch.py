@@ -495,6 +495,16 @@ def _rows_attention_on(model: nn.Module, rows: _Rows) -> Iterator[None]:
 
 
 @torch.inference_mode()
+def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
+    """Each row's ``[start, stop)`` in the packed sequence of a batched forward (rows in order)."""
+    spans, at = [], 0
+    for row in rows:
+        n = int(row.ids.numel())
+        spans.append((at, at + n))
+        at += n
+    return spans
+
+
 def batched_forward(model: nn.Module, rows: Sequence[Row]) -> list[torch.Tensor | None]:
     """Run every row's new tokens after its own cache in one model call; the caches grow in place.
 
@@ -507,10 +517,8 @@ def batched_forward(model: nn.Module, rows: Sequence[Row]) -> list[torch.Tensor 
     if base == ROWS_ATTENTION:
         raise InvalidInputError("batched forwards do not nest")
     device = next(model.parameters()).device
-    spans, at = [], 0
-    for row in rows:
-        spans.append((at, at + int(row.ids.numel())))
-        at += int(row.ids.numel())
+    spans = row_spans(rows)
+    at = spans[-1][1]
     keep: list[int] = []
     for row, (a, b) in zip(rows, spans, strict=True):
         if row.logits == "all":

@@ -23,7 +23,7 @@ from torch import nn
 from . import compressed
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
-from .adapters.capture import PreRopeKeys, is_recording, recording
+from .adapters.capture import PreRopeKeys, active_recorders, recording
 from .constrained import TokenConstraint
 from .decode import SamplingParams, TextStream, decode_tokens
 from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
@@ -106,6 +106,8 @@ class Engine:
         self.adapter: ModelAdapter = adapter_for(model.config, self.name)
         self.attention = attention or str(getattr(model.config, "_attn_implementation", None) or "sdpa")
         self.counters = EngineCounters()
+        self._anchor_lock = threading.Lock()
+        self._anchor_flight: threading.Event | None = None  # set when the anchor forward in flight ends
         probe, probe_keys = self._probe()
         n_layers, _, n_heads, dk = probe.keys.shape
         self.num_layers, self.num_kv_heads, self.key_dim = int(n_layers), int(n_heads), int(dk)
@@ -422,24 +424,39 @@ class Engine:
         sched = batching[0] if batching is not None else driven_scheduler(self)
         if sched is None:
             return run_forward(self.model, input_ids, past, start, logits=logits)
-        # under ``serving``, in a step with every running decode and other windows' forwards; one whose RoPE
-        # inputs are being recorded (the recorder would see the packed rows of the other requests), one asked
-        # to run alone, and one outside ``serving`` while a thread drives the scheduler run between two steps,
-        # the unbatched path bit for bit: the model runs one forward at a time
-        if batching is not None and not (is_recording() or forwards_alone()):
-            carried = sched.carry(input_ids, past, start, logits)
+        # under ``serving``, in a step with every running decode and other windows' forwards (a recording open
+        # here goes with it and sees only this forward's tokens); one asked to run alone, and one outside
+        # ``serving`` while a thread drives the scheduler, run between two steps, the unbatched path bit for
+        # bit: the model runs one forward at a time
+        if batching is not None and not forwards_alone():
+            carried = sched.carry(input_ids, past, start, logits, recorders=active_recorders())
             if carried is not None:
                 return carried
         return sched.run_alone(lambda: run_forward(self.model, input_ids, past, start, logits=logits))
 
     @property
     def anchor_kv(self) -> KV:
-        """KV of the fixed anchor (chat header) at positions 0.., computed once: windows ask for it concurrently,
-        and the first result published is the one every caller gets (a racing second forward is dropped; no
-        lock is held across a forward that a scheduler may be carrying)."""
+        """KV of the fixed anchor (chat header) at positions 0.., computed once: windows that ask for it at once
+        wait for the first caller's forward (no lock is held across it: the waiters hold an event, so a
+        scheduler the forward goes through is driven as usual); if that forward fails, the next caller runs it."""
         kv = self.__dict__.get("_anchor_kv")
-        if kv is None:
-            kv = self.__dict__.setdefault("_anchor_kv", self._anchor_forward())  # atomic: one winner
+        while kv is None:
+            with self._anchor_lock:
+                flight = self._anchor_flight
+                first = flight is None
+                if first:
+                    flight = self._anchor_flight = threading.Event()
+            assert flight is not None
+            if first:
+                try:
+                    kv = self.__dict__.setdefault("_anchor_kv", self._anchor_forward())
+                finally:
+                    with self._anchor_lock:
+                        self._anchor_flight = None
+                    flight.set()
+            else:
+                flight.wait()
+                kv = self.__dict__.get("_anchor_kv")
         return kv
 
     def _anchor_forward(self) -> KV:
@@ -458,8 +475,8 @@ class Engine:
         to a rotation back. Values, and features past the band, are the written ones. A model whose RoPE
         call cannot be recorded un-rotates the written keys (``make_free``); a chunk whose recording fails
         on a model whose probe passed raises ``UnsupportedModelError`` (never one un-rotated canonical among
-        pre-RoPE ones: it would be keyed and placed as one). The forward runs alone, never
-        packed into a scheduler's step, so a canonical's bits do not depend on what else is running.
+        pre-RoPE ones: it would be keyed and placed as one). Under a scheduler the forward is a row of a
+        step like any window forward (its keys within the batching tolerance of a lone forward's).
 
         ``anchored=False`` computes it with no anchor at all (the chunk's first token becomes an
         attention sink); kept for the benchmark that chooses between the two.

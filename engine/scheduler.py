@@ -9,8 +9,9 @@ Decoding requests keep their KV in the scheduler's ``DecodeSlab`` (while it fits
 step's decode rows attend in one call.
 A window's own forwards (``Engine.forward`` under ``serving``, from any thread) are carried: they wait for
 the next step and run as rows of it, with every running decode, waiting prompts and other windows'
-forwards (``carry``). A forward that must not be packed with others (one whose RoPE inputs are recorded,
-one inside :func:`alone`, one outside ``serving`` while a thread drives the scheduler) runs alone between
+forwards (``carry``); a recorded one (a canonical's pre-RoPE keys) too, its recorders seeing only its own
+row (``capture.recording_rows``). A forward that must not be packed with others (one inside
+:func:`alone`, one outside ``serving`` while a thread drives the scheduler) runs alone between
 two steps (``run_alone``): the unbatched path, bit for bit. So the engine's forwards through
 ``Engine.forward`` reach the model one at a time, through the scheduler (selective recompute, which runs
 decoder layers itself, is the exception: it runs on its caller's thread). Whether a
@@ -44,7 +45,8 @@ import torch
 from pydantic import BaseModel
 from transformers import DynamicCache
 
-from .batch import DecodeSlab, Row, RowCache, batched_forward
+from .adapters.capture import Recorder, recording_rows, unrecorded
+from .batch import DecodeSlab, Row, RowCache, batched_forward, row_spans
 from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
@@ -267,6 +269,7 @@ class _Carried:
     past: Past
     start: int
     logits: str
+    recorders: tuple[Recorder, ...] = ()  # its caller's RoPE recorders (a canonical's pre-RoPE keys): run whole
     cache: RowCache | None = None  # the past copied to the device with room for ``ids`` (first chunk on)
     n_past: int = 0
     done: int = 0  # tokens planned into steps so far
@@ -458,9 +461,10 @@ class Scheduler:
     def _step_locked(self) -> bool:
         self._stepping = threading.get_ident()
         try:
-            if self._run_alone_jobs():
+            if self._run_alone_jobs():  # each in its caller's context (a recording open there sees it)
                 return True
-            return self._batched_step()
+            with unrecorded():  # a step runs other requests' rows: no recording of this thread sees them
+                return self._batched_step()
         finally:
             self._stepping = None
 
@@ -484,9 +488,12 @@ class Scheduler:
 
     def _run_plan(self, plan: _Plan) -> None:
         rows = [*plan.rows, *(c.row for c in plan.carried)]
+        spans = row_spans(rows)[len(plan.rows) :]
+        recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans, plan.carried, strict=True)]
         t0 = time.perf_counter()
         try:
-            logits = batched_forward(self.engine.model, rows)
+            with self._recording(recorded):
+                logits = batched_forward(self.engine.model, rows)
         except Exception:
             # find the request that fails (the others go on); every window forward runs alone, so its own
             # error (if any) reaches its caller
@@ -569,7 +576,9 @@ class Scheduler:
             job.finished.set()
         return bool(jobs)
 
-    def carry(self, ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult | None:
+    def carry(
+        self, ids: torch.Tensor, past: Past, start: int, logits: str, *, recorders: Sequence[Recorder] = ()
+    ) -> ForwardResult | None:
         """Run a caller's own forward (``Engine.forward``: a window's new page, its prompt, a cascade) in the
         scheduler's steps: as one more row of a step that also advances every running decode by one token,
         prefills waiting prompts and runs other windows' forwards (other threads' ``carry``), so window
@@ -582,10 +591,14 @@ class Scheduler:
         fails, every window forward of the step runs alone and its own error (if any) is raised here; an
         error copying this forward's past or assembling its result is raised here too (the step goes on).
         Returns None only for a ``logits`` mode it does not know (the caller runs its forward itself). The
-        forward is counted by ``Engine.forward``, not again in the engine's counters."""
+        forward is counted by ``Engine.forward``, not again in the engine's counters.
+
+        ``recorders``: the caller's RoPE recorders (``capture.active_recorders``; a canonical's pre-RoPE keys):
+        they see this forward's tokens of every call and nothing of the other rows (``capture.recording_rows``),
+        and such a forward is never split over steps."""
         if logits not in ("last", "all", "none"):
             return None
-        item = _Carried(ids.to(torch.long).reshape(-1), past, start, logits)
+        item = _Carried(ids.to(torch.long).reshape(-1), past, start, logits, tuple(recorders))
         self._queue_and_await(self._carried, item, item.finished)
         if item.error is not None:
             raise item.error
@@ -600,9 +613,14 @@ class Scheduler:
                 return None
             return self._carried[0]
 
+    def _recording(self, rows: Sequence[tuple[int, int, Sequence[Recorder]]]) -> Any:
+        adapter, model = self.engine.adapter, self.engine.model
+        return recording_rows(adapter.rope_modules(model), adapter.rope_functions, rows)
+
     def _run_alone(self, item: _Carried) -> None:
         try:
-            item.result = run_forward(self.engine.model, item.ids, item.past, item.start, logits=item.logits)
+            with self._recording([(0, int(item.ids.numel()), item.recorders)]):
+                item.result = run_forward(self.engine.model, item.ids, item.past, item.start, logits=item.logits)
         except BaseException as exc:  # the caller's error, raised on its own thread
             item.error = exc
         self._carried_finish(item)
@@ -619,10 +637,12 @@ class Scheduler:
                 break
             try:
                 n = int(item.ids.numel())
+                if item.recorders and n > budget and plan.carried:
+                    continue  # a recorded forward runs whole: in the next step (a step's first may overrun it)
                 if item.cache is None:
                     item.cache = RowCache.from_past(item.past, self.engine.num_layers, reserve=n, device=device)
                     item.n_past = len(item.cache)
-                k = min(n - item.done, budget)
+                k = n - item.done if item.recorders else min(n - item.done, budget)
                 final = item.done + k == n
                 mode = "all" if item.logits == "all" else ("last" if final else "none")
                 row = Row.at(item.cache, item.ids[item.done : item.done + k], item.start + item.done, logits=mode)

@@ -9,9 +9,10 @@ calling context (a ``ContextVar``). A forward on another thread, or another engi
 straight through the wrapper with the same arguments and is never seen; a recording sees only the calls of
 the forward it encloses.
 
-A forward that records must run alone: a scheduler that packs it with other rows (``scheduler.carry``)
-would hand the recorder the packed sequence. ``Engine._run`` asks :func:`is_recording` and then runs the
-forward on its own (the result of a lone forward: the same bits with or without a scheduler).
+A forward that records may still be packed with other requests' rows by a scheduler (``scheduler.carry``):
+the caller hands its recorders (:func:`active_recorders`) with the forward, and the thread that runs the
+packed forward records it with :func:`recording_rows`, which gives each recorder only its own row's tokens
+of every call (the row's span of the packed sequence), as if its forward had run alone.
 
 :class:`PreRopeKeys` turns a recorded call into the key the model would write at angle 0, computed by the
 family's own function with the angle-0 tables (``cos`` = the attention scaling, ``sin`` = 0), so the result
@@ -60,8 +61,13 @@ _INSTALLED: dict[tuple[str, str], list[Any]] = {}
 
 
 def is_recording() -> bool:
-    """Whether a recording is open in the calling context (its forward must not be packed with others)."""
+    """Whether a recording is open in the calling context."""
     return bool(_ACTIVE.get())
+
+
+def active_recorders() -> tuple[Recorder, ...]:
+    """The recorders open in the calling context, innermost last (handed with a forward another thread runs)."""
+    return _ACTIVE.get()
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -128,6 +134,63 @@ def recording(modules: Iterable[ModuleType], names: Sequence[str], recorder: Rec
             _ACTIVE.reset(token)
         finally:
             _uninstall(targets)
+
+
+@contextmanager
+def unrecorded() -> Iterator[None]:
+    """Within this block, recordings open in the calling context see no forward (a thread that runs other
+    requests' forwards, e.g. a scheduler step, while a recording of its own is open)."""
+    token = _ACTIVE.set(())
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextmanager
+def recording_rows(
+    modules: Iterable[ModuleType], names: Sequence[str], rows: Sequence[tuple[int, int, Sequence[Recorder]]]
+) -> Iterator[None]:
+    """Record a packed forward (the tokens of several rows in one sequence) for some of its rows: each
+    ``(start, stop, recorders)`` hands ``recorders`` every call with the queries, keys, cos and sin cut to
+    tokens ``[start, stop)``, which is what the row's own forward would have handed them. The calls reach
+    the recorders when the block ends without an error (a packed forward that fails is run again row by
+    row: its first attempt is never seen). Recorders open in the calling context are set aside for the
+    block (they would see the other rows' tokens)."""
+    spans = [(int(a), int(b), tuple(rs)) for a, b, rs in rows if rs]
+    pending: list[tuple[tuple[Recorder, ...], RopeCall]] = []
+
+    def split(call: RopeCall) -> None:
+        for a, b, recorders in spans:
+            part = RopeCall(
+                call.function,
+                call.q[..., a:b, :].detach().clone(),
+                call.k[..., a:b, :].detach().clone(),
+                call.cos[..., a:b, :],
+                call.sin[..., a:b, :],
+                call.args,
+                call.kwargs,
+                None,
+            )
+            pending.append((recorders, part))
+
+    if not spans:
+        with unrecorded():
+            yield
+        return
+    targets = _targets(modules, names)
+    _install(targets)
+    token = _ACTIVE.set((split,))
+    try:
+        yield
+    finally:
+        try:
+            _ACTIVE.reset(token)
+        finally:
+            _uninstall(targets)
+    for recorders, call in pending:
+        for record in recorders:
+            record(call)
 
 
 def modeling_module(model: nn.Module) -> ModuleType:

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
 
-from kamera_engine import KV, Engine
+from kamera_engine import KV, Engine, SamplingParams
 from kamera_engine.adapters import ADAPTERS
 from kamera_engine.adapters.capture import PreRopeKeys, is_recording, recording
 from kamera_engine.errors import UnsupportedModelError
+from kamera_engine.scheduler import Scheduler
 from tests.conftest import ANCHOR, TINY_CONFIGS, random_ids, tiny_model
 from tests.engine.test_rope_in_values import TextMLAAdapter
 from tests.engine.test_rope_in_values import _model as mla_model
@@ -229,31 +229,81 @@ def test_the_family_function_is_restored_after_an_error_inside_the_forward() -> 
     assert torch.equal(engine.canonical(ids).keys, expected.keys)
 
 
-def test_a_recording_forward_is_not_packed_into_a_scheduler_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A canonical's forward runs alone even when a scheduler is carrying window forwards (a packed step would
-    hand the recorder other requests' rows); a plain forward still goes to the scheduler."""
-    import kamera_engine.engine as engine_module
+def _carry_canonicals(engine: Engine, sched: Scheduler, chunks: list[list[int]]) -> list[KV | None]:
+    """Each chunk's canonical on its own thread under ``sched.serving`` (no thread drives: they step it)."""
+    out: list[KV | None] = [None] * len(chunks)
+    start = threading.Barrier(len(chunks))
 
+    def run(i: int) -> None:
+        start.wait(10)
+        with sched.serving(key=i):
+            out[i] = engine.canonical(chunks[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chunks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_canonicals_packed_into_scheduler_steps_equal_their_lone_forwards(name: str) -> None:
+    """Canonicals compiled under a scheduler run as rows of its steps, beside a running decode and each
+    other (never alone between steps): each equals its lone compile within the batching tolerance, and the
+    pre-RoPE band (not an un-rotated key) is what they hold."""
+    engine = Engine(tiny_model(name), anchor_ids=ANCHOR)
+    chunks = [random_ids(5 + 4 * i, seed=30 + i) for i in range(4)]
+    lone = [engine.canonical(c) for c in chunks]
+    sched = Scheduler(engine)
+    req = sched.submit(None, random_ids(6, seed=3), 0, SamplingParams(max_new_tokens=40))
+    sched.step()  # the prompt's prefill: it decodes in every later step
+    got = _carry_canonicals(engine, sched, chunks)
+    stats = sched.stats()
+    assert stats.alone == 0 and stats.carried >= 1  # rows of steps, at least one beside another row
+    assert stats.carried + stats.carried_alone == len(chunks)
+    for g, want in zip(got, lone, strict=True):
+        assert g is not None and g.keys.shape == want.keys.shape
+        assert (g.keys - want.keys).abs().max().item() < 1e-4
+        assert (g.values - want.values).abs().max().item() < 1e-4
+    req.cancel()
+
+
+def test_a_recorder_sees_only_its_own_row_of_a_packed_step() -> None:
+    """A recording open around a forward that a scheduler packs with other rows gets one call per layer with
+    exactly its own tokens, the same keys its lone forward hands RoPE (within rounding); a recorded forward
+    over the step's token budget runs whole in one step (never split)."""
     engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
-    _ = engine.anchor_kv  # the anchor's own forward is a plain one
-    carried: list[int] = []
+    modules, names = engine.adapter.rope_modules(engine.model), engine.adapter.rope_functions
+    ids = random_ids(12, seed=41)
+    lone = PreRopeKeys()
+    with recording(modules, names, lone):
+        engine.forward(ids, None, 0, logits="none")
+    sched = Scheduler(engine, step_tokens=4)
+    others = [random_ids(9, seed=50 + i) for i in range(2)]
+    seen = PreRopeKeys()
+    barrier = threading.Barrier(3)
 
-    alone: list[int] = []
+    def recorded() -> None:
+        barrier.wait(10)
+        with sched.serving(key="rec"), recording(modules, names, seen):
+            engine.forward(ids, None, 0, logits="none")
 
-    class Carrier:
-        def carry(self, ids: torch.Tensor, *_: object) -> None:
-            carried.append(int(ids.numel()))
-            return None  # "run it alone"
+    def plain(i: int) -> None:
+        barrier.wait(10)
+        with sched.serving(key=i):
+            engine.forward(others[i], None, 0, logits="none")
 
-        def run_alone(self, fn: Callable[[], object]) -> object:  # between two steps, on its own
-            alone.append(1)
-            return fn()
-
-    monkeypatch.setattr(engine_module, "active_scheduler", lambda e: (Carrier(), None))
-    engine.canonical(random_ids(9, seed=7))
-    assert carried == [] and alone == [1]  # the recording forward ran alone, between steps
-    engine.forward(random_ids(5, seed=7), None, 0, logits="none")
-    assert carried == [5]
+    threads = [threading.Thread(target=recorded)] + [threading.Thread(target=plain, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen.calls) == engine.num_layers
+    for a, b in zip(seen.calls, lone.calls, strict=True):
+        assert a.k.shape == b.k.shape == (1, a.k.shape[1], len(ids), a.k.shape[3])
+        assert (a.k - b.k).abs().max().item() < 1e-4
+    assert not is_recording()
 
 
 @pytest.mark.slow
