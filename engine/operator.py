@@ -25,6 +25,7 @@ from .errors import InvalidInputError
 from .kernels import dispatch as gpu_kernels
 from .kv import KV
 from .rope import RopeSpec, apply_rotation_, check_rotation, rotate_keys, rotate_like_model, rotation_table, work_dtype
+from .threads import lapack_on_one_thread
 
 
 @dataclass(slots=True)
@@ -143,13 +144,16 @@ def _top_factors(delta: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[to
     """
     mat = delta.to(torch.float64)  # (Lp, T, F)
     m = min(rank, mat.shape[1], mat.shape[2])
-    gram = mat.transpose(1, 2) @ mat  # (Lp, F, F)
-    full = m >= min(mat.shape[1], mat.shape[2])
-    g = gram if full else gram.to(torch.float32)
-    # one small eigh per layer: batched eigh on CPU can stall badly under thread contention
-    vecs = torch.stack([torch.linalg.eigh(g[i])[1] for i in range(g.shape[0])])  # ascending eigenvalues
-    v = vecs[..., -m:].flip(-1).to(torch.float64)  # (Lp, F, m), largest first
-    us = mat @ v  # (Lp, T, m)
+    # small factorisations on one thread: a threaded eigh stalls for seconds when another thread (the
+    # model's, in a server) holds a core, and gains nothing on matrices this size (threads.py)
+    with lapack_on_one_thread():
+        gram = mat.transpose(1, 2) @ mat  # (Lp, F, F)
+        full = m >= min(mat.shape[1], mat.shape[2])
+        g = gram if full else gram.to(torch.float32)
+        # one small eigh per layer: batched eigh on CPU can stall badly under thread contention
+        vecs = torch.stack([torch.linalg.eigh(g[i])[1] for i in range(g.shape[0])])  # ascending eigenvalues
+        v = vecs[..., -m:].flip(-1).to(torch.float64)  # (Lp, F, m), largest first
+        us = mat @ v  # (Lp, T, m)
     return us.to(dtype).contiguous(), v.transpose(1, 2).to(dtype).contiguous()
 
 

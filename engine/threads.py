@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -160,3 +163,45 @@ def set_threads(n: int) -> ThreadPlan:
     torch.set_num_threads(n)
     _plan = ThreadPlan(n, _plan.cpus, "set_threads", _plan.wait_policy, f"set_threads({n})")
     return _plan
+
+
+def _mkl_local_setter() -> Any:
+    """MKL's thread-local thread count setter from torch's own library, or None (no MKL in this build)."""
+    global _MKL_LOCAL
+    if _MKL_LOCAL is None:
+        setter: Any = False
+        try:
+            import ctypes
+
+            import torch
+
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+            setter = lib.MKL_Set_Num_Threads_Local
+            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):  # another platform or a build without MKL: nothing to set
+            setter = False
+        _MKL_LOCAL = setter
+    return _MKL_LOCAL or None
+
+
+_MKL_LOCAL: Any = None
+_MKL_LOCK = threading.Lock()
+
+
+@contextmanager
+def lapack_on_one_thread() -> Iterator[None]:
+    """MKL (torch's BLAS and LAPACK on x86 CPUs) runs on one thread in this block, for the calling thread
+    only. A small factorisation (a patch's per-layer eigh of a 192 x 192 Gram matrix) gains nothing from
+    threads, and a threaded one stalls badly when another thread holds a core: on the 2-core machine, 30
+    such eigh took 1 to 24 s on two threads beside a busy core and 0.3 to 0.5 s on one. The model's own
+    thread keeps its count (MKL's thread-local setting). A no-op where torch has no MKL."""
+    with _MKL_LOCK:
+        setter = _mkl_local_setter()
+    if setter is None:
+        yield
+        return
+    previous = setter(1)
+    try:
+        yield
+    finally:
+        setter(previous)  # 0: back to the global setting

@@ -85,3 +85,44 @@ def test_set_threads_at_run_time() -> None:
         assert torch.get_num_threads() == 1  # a refused count changes nothing
     finally:
         torch.set_num_threads(before)
+
+
+_LOCAL_PROBE = """
+import ctypes, json, os, threading
+import kamera_engine, torch
+from kamera_engine.threads import lapack_on_one_thread
+lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+count = lib.MKL_Get_Max_Threads
+count.restype = ctypes.c_int
+x = torch.randn(64, 64, dtype=torch.float64)
+want = torch.linalg.eigh(x @ x.T)[0]
+out = {"outside": count()}
+inside, done = threading.Event(), threading.Event()
+def other():
+    inside.wait(10)
+    out["other_thread"] = count()
+    done.set()
+t = threading.Thread(target=other)
+t.start()
+with lapack_on_one_thread():
+    out["inside"] = count()
+    out["same"] = bool(torch.allclose(torch.linalg.eigh(x @ x.T)[0], want, rtol=1e-12, atol=1e-9))
+    inside.set()
+    done.wait(10)
+out["after"] = count()
+print(json.dumps(out))
+"""
+
+
+def test_lapack_on_one_thread_is_this_threads_alone() -> None:
+    """Inside the block MKL runs on one thread for the calling thread only (another thread keeps the pool),
+    the result is the same, and the count is back afterwards."""
+    import torch
+
+    if "mkl" not in torch.__config__.show().lower():
+        pytest.skip("this torch build has no MKL: the block is a no-op")  # every x86 wheel we install has MKL
+    full = {k: v for k, v in os.environ.items() if k not in _CLEARED} | {"OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _LOCAL_PROBE], env=full, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"outside": 2, "other_thread": 2, "inside": 1, "same": True, "after": 2}
