@@ -494,7 +494,6 @@ def _rows_attention_on(model: nn.Module, rows: _Rows) -> Iterator[None]:
             config._attn_implementation = rows.base
 
 
-@torch.inference_mode()
 def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
     """Each row's ``[start, stop)`` in the packed sequence of a batched forward (rows in order)."""
     spans, at = [], 0
@@ -505,6 +504,7 @@ def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
     return spans
 
 
+@torch.inference_mode()
 def batched_forward(model: nn.Module, rows: Sequence[Row]) -> list[torch.Tensor | None]:
     """Run every row's new tokens after its own cache in one model call; the caches grow in place.
 
