@@ -23,7 +23,7 @@ from torch import nn
 from . import compressed
 from . import operator as op
 from .adapters import ModelAdapter, adapter_for
-from .adapters.capture import PreRopeKeys, active_recorders, recording
+from .adapters.capture import PreRopeKeys, active_recorders, packable, recording
 from .constrained import TokenConstraint
 from .decode import SamplingParams, TextStream, decode_tokens
 from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
@@ -424,12 +424,13 @@ class Engine:
         sched = batching[0] if batching is not None else driven_scheduler(self)
         if sched is None:
             return run_forward(self.model, input_ids, past, start, logits=logits)
-        # under ``serving``, in a step with every running decode and other windows' forwards (a recording open
-        # here goes with it and sees only this forward's tokens); one asked to run alone, and one outside
-        # ``serving`` while a thread drives the scheduler, run between two steps, the unbatched path bit for
-        # bit: the model runs one forward at a time
-        if batching is not None and not forwards_alone():
-            carried = sched.carry(input_ids, past, start, logits, recorders=active_recorders())
+        # under ``serving``, in a step with every running decode and other windows' forwards (a packable
+        # recording open here goes with it and sees only this forward's tokens); one asked to run alone, one
+        # whose recorders read more than a row's keys, and one outside ``serving`` while a thread drives the
+        # scheduler, run between two steps, the unbatched path bit for bit: one forward at a time
+        recorders = active_recorders()
+        if batching is not None and not forwards_alone() and packable(recorders):
+            carried = sched.carry(input_ids, past, start, logits, recorders=recorders)
             if carried is not None:
                 return carried
         return sched.run_alone(lambda: run_forward(self.model, input_ids, past, start, logits=logits))
@@ -455,7 +456,12 @@ class Engine:
                         self._anchor_flight = None
                     flight.set()
             else:
-                flight.wait()
+                sched = driven_scheduler(self)
+                if sched is not None and sched.drives_here():  # the first caller's forward needs this thread
+                    while not flight.wait(0.005):
+                        sched.step()
+                else:
+                    flight.wait()
                 kv = self.__dict__.get("_anchor_kv")
         return kv
 

@@ -133,7 +133,7 @@ class SchedulerStats(BaseModel):
     carried_rows_max: int = 0  # most window forwards' rows in one step
     carried_waiting: int = 0  # window forwards waiting for or running in steps now
     carried_failed: int = 0  # window forwards whose planning or assembly failed (the caller got the error)
-    alone: int = 0  # forwards run alone between steps on request (``run_alone``: recording, ``alone()``)
+    alone: int = 0  # forwards run alone between steps on request (``run_alone``: ``alone()``, idle-time work)
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
     slab_rows: int = 0  # decoding requests whose KV sits in the decode slab now (attended in one call)
@@ -488,11 +488,11 @@ class Scheduler:
 
     def _run_plan(self, plan: _Plan) -> None:
         rows = [*plan.rows, *(c.row for c in plan.carried)]
-        spans = row_spans(rows)[len(plan.rows) :]
-        recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans, plan.carried, strict=True)]
+        spans = row_spans(rows)
+        recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans[len(plan.rows) :], plan.carried, strict=True)]
         t0 = time.perf_counter()
         try:
-            with self._recording(recorded):
+            with self._recording(recorded, spans[-1][1]) as captured:
                 logits = batched_forward(self.engine.model, rows)
         except Exception:
             # find the request that fails (the others go on); every window forward runs alone, so its own
@@ -519,7 +519,12 @@ class Scheduler:
                     self._take(req, lg)
             except Exception as exc:  # this request's own failure (its sampling or grammar): it alone fails
                 self._finish(req, "failed", error=_as_kamera(exc))
-        for chunk, lg in zip(plan.carried, logits[len(plan.rows) :], strict=True):
+        for i, (chunk, lg) in enumerate(zip(plan.carried, logits[len(plan.rows) :], strict=True)):
+            try:
+                captured.deliver(i)  # after the forward: a recorder's error is its own caller's alone
+            except Exception as exc:
+                self._carried_fail(chunk.item, _as_kamera(exc))
+                continue
             self._carried_chunk_done(chunk, lg)
 
     def _fail_plan(self, plan: _Plan, error: BaseException) -> None:
@@ -593,9 +598,9 @@ class Scheduler:
         Returns None only for a ``logits`` mode it does not know (the caller runs its forward itself). The
         forward is counted by ``Engine.forward``, not again in the engine's counters.
 
-        ``recorders``: the caller's RoPE recorders (``capture.active_recorders``; a canonical's pre-RoPE keys):
-        they see this forward's tokens of every call and nothing of the other rows (``capture.recording_rows``),
-        and such a forward is never split over steps."""
+        ``recorders``: the caller's RoPE recorders (``capture.active_recorders``, all ``capture.packable``; a
+        canonical's pre-RoPE keys): they see this forward's tokens of every call and nothing of the other rows
+        (``capture.recording_rows``), once the forward has run; such a forward is never split over steps."""
         if logits not in ("last", "all", "none"):
             return None
         item = _Carried(ids.to(torch.long).reshape(-1), past, start, logits, tuple(recorders))
@@ -613,14 +618,18 @@ class Scheduler:
                 return None
             return self._carried[0]
 
-    def _recording(self, rows: Sequence[tuple[int, int, Sequence[Recorder]]]) -> Any:
+    def _recording(self, rows: Sequence[tuple[int, int, Sequence[Recorder]]], width: int) -> Any:
+        """``capture.recording_rows`` over the engine's RoPE functions (looked up only when a row records)."""
         adapter, model = self.engine.adapter, self.engine.model
-        return recording_rows(adapter.rope_modules(model), adapter.rope_functions, rows)
+        modules = adapter.rope_modules(model) if any(rs for _, _, rs in rows) else ()
+        return recording_rows(modules, adapter.rope_functions, rows, width)
 
     def _run_alone(self, item: _Carried) -> None:
         try:
-            with self._recording([(0, int(item.ids.numel()), item.recorders)]):
+            n = int(item.ids.numel())
+            with self._recording([(0, n, item.recorders)], n) as captured:
                 item.result = run_forward(self.engine.model, item.ids, item.past, item.start, logits=item.logits)
+            captured.deliver(0)
         except BaseException as exc:  # the caller's error, raised on its own thread
             item.error = exc
         self._carried_finish(item)
@@ -947,6 +956,11 @@ class Scheduler:
 
     def _driven_elsewhere(self) -> bool:
         return self._driver is not None and self._driver != threading.get_ident()
+
+    def drives_here(self) -> bool:
+        """Whether the calling thread drives this scheduler (``driving()``): work it waits for runs only
+        if it steps the scheduler itself."""
+        return self._driver == threading.get_ident()
 
     def stats(self) -> SchedulerStats:
         with self._lock:

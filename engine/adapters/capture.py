@@ -9,10 +9,12 @@ calling context (a ``ContextVar``). A forward on another thread, or another engi
 straight through the wrapper with the same arguments and is never seen; a recording sees only the calls of
 the forward it encloses.
 
-A forward that records may still be packed with other requests' rows by a scheduler (``scheduler.carry``):
-the caller hands its recorders (:func:`active_recorders`) with the forward, and the thread that runs the
-packed forward records it with :func:`recording_rows`, which gives each recorder only its own row's tokens
-of every call (the row's span of the packed sequence), as if its forward had run alone.
+A forward that records may still be packed with other requests' rows by a scheduler (``scheduler.carry``)
+when its recorders are :func:`packable`: the caller hands them (:func:`active_recorders`) with the forward,
+and the thread that runs the packed forward records it with :func:`recording_rows`, which gives each
+recorder only its own row's tokens of every call (the row's span of the packed sequence), as if its forward
+had run alone, once the forward succeeded. A forward with other recorders (one that reads a call's output,
+e.g. ``capture_queries``) runs alone between two steps, in its caller's context.
 
 :class:`PreRopeKeys` turns a recorded call into the key the model would write at angle 0, computed by the
 family's own function with the angle-0 tables (``cos`` = the attention scaling, ``sin`` = 0), so the result
@@ -147,50 +149,71 @@ def unrecorded() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def packable(recorders: Sequence[Recorder]) -> bool:
+    """Whether every recorder takes calls cut to one row of a packed forward (``recording_rows``): a recorder
+    says so with a true ``packable`` attribute (it reads a call's ``function``, ``k``, ``cos``, ``sin``,
+    ``args`` and ``kwargs`` only: a cut call carries the keys in place of the queries and no ``out``)."""
+    return all(getattr(r, "packable", False) for r in recorders)
+
+
+class RowRecording:
+    """The calls a packed forward made, cut per recorded row, held until :meth:`deliver` hands them over."""
+
+    def __init__(self, spans: Sequence[tuple[int, int, tuple[Recorder, ...]]], width: int) -> None:
+        self.spans = list(spans)
+        self.width = width
+        self.calls: list[list[RopeCall]] = [[] for _ in self.spans]
+
+    def __call__(self, call: RopeCall) -> None:
+        if call.k.shape[-2] != self.width or call.cos.shape[-2] != self.width:
+            raise ValueError(
+                f"a RoPE call of keys {tuple(call.k.shape)} and cos {tuple(call.cos.shape)} does not hold the packed "
+                f"sequence of {self.width} tokens on its second-to-last axis: its rows cannot be cut"
+            )
+        for calls, (a, b, _) in zip(self.calls, self.spans, strict=True):
+            k = call.k[..., a:b, :]  # a view: the recorder copies what it keeps
+            cos, sin = call.cos[..., a:b, :], call.sin[..., a:b, :]
+            calls.append(RopeCall(call.function, k, k, cos, sin, call.args, call.kwargs, None))
+
+    def deliver(self, i: int) -> None:
+        """Hand the ``i``-th recorded row's calls to its recorders (once the packed forward succeeded); a
+        recorder's error is raised here, for that row alone."""
+        calls, self.calls[i] = self.calls[i], []
+        for call in calls:
+            for record in self.spans[i][2]:
+                record(call)
+
+
 @contextmanager
 def recording_rows(
-    modules: Iterable[ModuleType], names: Sequence[str], rows: Sequence[tuple[int, int, Sequence[Recorder]]]
-) -> Iterator[None]:
-    """Record a packed forward (the tokens of several rows in one sequence) for some of its rows: each
-    ``(start, stop, recorders)`` hands ``recorders`` every call with the queries, keys, cos and sin cut to
-    tokens ``[start, stop)``, which is what the row's own forward would have handed them. The calls reach
-    the recorders when the block ends without an error (a packed forward that fails is run again row by
-    row: its first attempt is never seen). Recorders open in the calling context are set aside for the
-    block (they would see the other rows' tokens)."""
-    spans = [(int(a), int(b), tuple(rs)) for a, b, rs in rows if rs]
-    pending: list[tuple[tuple[Recorder, ...], RopeCall]] = []
-
-    def split(call: RopeCall) -> None:
-        for a, b, recorders in spans:
-            part = RopeCall(
-                call.function,
-                call.q[..., a:b, :].detach().clone(),
-                call.k[..., a:b, :].detach().clone(),
-                call.cos[..., a:b, :],
-                call.sin[..., a:b, :],
-                call.args,
-                call.kwargs,
-                None,
-            )
-            pending.append((recorders, part))
-
-    if not spans:
+    modules: Iterable[ModuleType],
+    names: Sequence[str],
+    rows: Sequence[tuple[int, int, Sequence[Recorder]]],
+    width: int,
+) -> Iterator[RowRecording]:
+    """Record a packed forward of ``width`` tokens (several rows in one sequence) for its rows that have
+    recorders (all :func:`packable`): each ``(start, stop, recorders)`` gets every call cut to tokens
+    ``[start, stop)`` (keys, cos, sin), which is what the row's own forward would have handed RoPE. The
+    calls are held by the :class:`RowRecording` this yields; the caller hands each row's over with
+    ``deliver(i)`` (``i`` counts the rows given here) once the forward succeeded, so a failed attempt is
+    never seen. Recorders open in the calling context are set aside for the block (they would see the other
+    rows' tokens)."""
+    spans = [(int(a), int(b), tuple(rs)) for a, b, rs in rows]
+    held = RowRecording(spans, width)
+    if not any(rs for _, _, rs in spans):
         with unrecorded():
-            yield
+            yield held
         return
     targets = _targets(modules, names)
     _install(targets)
-    token = _ACTIVE.set((split,))
+    token = _ACTIVE.set((held,))
     try:
-        yield
+        yield held
     finally:
         try:
             _ACTIVE.reset(token)
         finally:
             _uninstall(targets)
-    for recorders, call in pending:
-        for record in recorders:
-            record(call)
 
 
 def modeling_module(model: nn.Module) -> ModuleType:
@@ -214,6 +237,9 @@ class PreRopeKeys:
     ``scaling``: the factor the model's rotary module multiplies cos and sin by (yarn's ``attention_scaling``;
     1 for plain RoPE), so :meth:`at_angle_zero` is what the model writes at angle 0.
     """
+
+    #: it reads a call's keys, tables and function only, so it may record one row of a packed forward
+    packable = True
 
     def __init__(self, scaling: float = 1.0) -> None:
         self.scaling = float(scaling)

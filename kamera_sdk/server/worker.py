@@ -8,8 +8,9 @@ drives the scheduler: each step runs, in one batched forward, every running answ
 chunks, and the window forwards the jobs on the window threads are blocked on (``Scheduler.carry``), so
 several sessions' new pages and prompts share a forward. Each window's own calls exclude each other
 (its gate, ``kamera_sdk.background``); the scheduler is the one place that runs the engine's token
-forwards: a window's forward is a row of a step, and one that must run alone (a recording, a relevance
-score, a window's idle-time work) runs between two steps on the model thread (``Scheduler.run_alone``).
+forwards: a window's forward (a canonical's compile included) is a row of a step, and one that must run
+alone (a relevance score, a window's idle-time work) runs between two steps on the model thread
+(``Scheduler.run_alone``).
 Jobs run under ``scheduler.serving(key)``, so a window's ``generate`` submits to the scheduler under its
 session's key (one session's answers run in order), and an answer streams from its request on a stream
 thread.

