@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kamera_engine import KV, Engine, InvalidInputError, KameraError
+from kamera_engine import KV, Engine, InvalidInputError
 
 from ..config import WindowConfig
 from ..console import err, track
@@ -228,11 +228,6 @@ def apply_step(
 REPEAT_POLICIES = ("recompute", "kamera")
 
 
-class RepeatWorkError(KameraError):
-    """A repeated pass of the trace ran different critical-path work than the first: a minimum over its
-    timings would compare different work, so none is reported."""
-
-
 @dataclass
 class PolicyStep:
     """One policy's step of the trace: seconds spent and work run, the next-token log-probs and the answer."""
@@ -297,19 +292,18 @@ def repeat_pass(
     return out
 
 
-def check_same_work(
+def work_differs(
     first: dict[str, list[tuple[int, int]]], other: dict[str, list[tuple[int, int]]], pass_index: int
-) -> None:
-    """Raise ``RepeatWorkError`` unless pass ``pass_index`` ran, per policy and step, the same critical-path
-    (forwards, tokens) as the first pass."""
-    for p, works in other.items():
-        for i, (a, b) in enumerate(zip(first[p], works, strict=True)):
-            if a != b:
-                raise RepeatWorkError(
-                    f"pass {pass_index} of the trace ran different critical work than the first for {p!r} at step "
-                    f"{i}: (forwards, tokens) {b} against {a}; the idle time probably reached less (or more) "
-                    "background work; a minimum over different work is not reported"
-                )
+) -> list[dict[str, Any]]:
+    """The (policy, step) pairs where pass ``pass_index`` ran other critical-path (forwards, tokens) than the
+    first pass (the idle time reached more or less background work): their timings are left out of that
+    step's minimum, which only compares equal work."""
+    return [
+        {"pass": pass_index, "policy": p, "step": i, "work": list(b), "first_work": list(a)}
+        for p, works in other.items()
+        for i, (a, b) in enumerate(zip(first[p], works, strict=True))
+        if a != b
+    ]
 
 
 def max_ratio(critical: list[float], reference: list[float]) -> float:
@@ -339,7 +333,8 @@ def run_trace(
     ``REPEAT_POLICIES`` (same act time); per step ``critical_s_min`` is each repeated policy's least
     ``critical_s`` over the passes (noise only adds time) and ``critical_over_recompute_max`` is taken from
     those minima (``critical_over_recompute_max_single``: the main pass's alone). Every pass must run the same
-    critical work as the first (``RepeatWorkError`` otherwise)."""
+    critical work as the first (a pass that ran other work at a step is left out of that step's minimum and
+    listed in ``repeat_work_differs``)."""
     if repeat < 1:
         raise InvalidInputError(f"repeat must be at least 1, got {repeat}")
     wins = {p: _window(engine, p, arms) for p in policies}
@@ -388,12 +383,16 @@ def run_trace(
     repeated = policies if repeat == 1 else tuple(p for p in REPEAT_POLICIES if p in policies)
     passes: dict[str, list[list[float]]] = {p: [[c] for c in rows[p]["critical"]] for p in repeated}
     first_work = {p: rows[p]["work"] for p in repeated}
+    differs: list[dict[str, Any]] = []
     for n in range(1, repeat):
         again = repeat_pass(engine, trace, repeated, answer_tokens, act_seconds, arms, f"window trace (pass {n + 1})")
-        check_same_work(first_work, {p: [s.work for s in again[p]] for p in repeated}, n + 1)
+        found = work_differs(first_work, {p: [s.work for s in again[p]] for p in repeated}, n + 1)
+        differs.extend(found)
+        left_out = {(d["policy"], d["step"]) for d in found}
         for p in repeated:
-            for seconds, done in zip(passes[p], again[p], strict=True):
-                seconds.append(done.critical)
+            for i, (seconds, done) in enumerate(zip(passes[p], again[p], strict=True)):
+                if (p, i) not in left_out:  # a minimum over equal work only
+                    seconds.append(done.critical)
     critical_min = {p: [min(s) for s in passes[p]] for p in repeated}
     for i, row in enumerate(per_step):
         row["critical_s_min"] = {p: critical_min[p][i] for p in repeated}
@@ -447,6 +446,7 @@ def run_trace(
     result["steps"] = per_step
     result["repeat"] = repeat
     result["repeat_policies"] = list(repeated)
+    result["repeat_work_differs"] = differs  # steps of later passes left out of the minima (other work)
     result["ttft_floor"] = {
         "ttft_s_mean": mean([r["ttft_floor_s"] for r in per_step]),
         "prefill_tokens": floor_tokens,
