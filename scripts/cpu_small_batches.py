@@ -29,18 +29,14 @@ import torch
 from kamera_engine import Engine
 from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
 from kamera_engine.threads import lapack_on_one_thread
+from kamera_sdk.bench.metrics import timed_result
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)
 
 
 def best(fn: Callable[[], object], repeat: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    """The least of ``repeat`` timings after one warm-up run (noise only ever adds time)."""
+    return timed_result(fn, repeat=repeat, warmup=1, reduce=min)[0]
 
 
 def decode_steps(engine: Engine, past_tokens: int) -> dict[str, float]:
