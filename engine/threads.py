@@ -21,9 +21,9 @@ changes the count at run time.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -165,27 +165,20 @@ def set_threads(n: int) -> ThreadPlan:
     return _plan
 
 
+@functools.cache
 def _mkl_local_setter() -> Any:
     """MKL's thread-local thread count setter from torch's own library, or None (no MKL in this build)."""
-    global _MKL_LOCAL
-    if _MKL_LOCAL is None:
-        setter: Any = False
-        try:
-            import ctypes
+    try:
+        import ctypes
 
-            import torch
+        import torch
 
-            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-            setter = lib.MKL_Set_Num_Threads_Local
-            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
-        except (OSError, AttributeError):  # another platform or a build without MKL: nothing to set
-            setter = False
-        _MKL_LOCAL = setter
-    return _MKL_LOCAL or None
-
-
-_MKL_LOCAL: Any = None
-_MKL_LOCK = threading.Lock()
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        setter = lib.MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):  # another platform or a build without MKL: nothing to set
+        return None
+    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+    return setter
 
 
 @contextmanager
@@ -195,8 +188,7 @@ def lapack_on_one_thread() -> Iterator[None]:
     threads, and a threaded one stalls badly when another thread holds a core: on the 2-core machine, 30
     such eigh took 1 to 24 s on two threads beside a busy core and 0.3 to 0.5 s on one. The model's own
     thread keeps its count (MKL's thread-local setting). A no-op where torch has no MKL."""
-    with _MKL_LOCK:
-        setter = _mkl_local_setter()
+    setter = _mkl_local_setter()
     if setter is None:
         yield
         return
