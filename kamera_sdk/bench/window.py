@@ -224,10 +224,6 @@ def apply_step(
     return ingest, ops
 
 
-#: The policies a repeated run (``repeat`` > 1) times again: the two ``critical_over_recompute_max`` compares.
-REPEAT_POLICIES = ("recompute", "kamera")
-
-
 @dataclass
 class PolicyStep:
     """One policy's step of the trace: seconds spent and work run, the next-token log-probs and the answer."""
@@ -330,11 +326,12 @@ def run_trace(
     compiles, slots prefilled in context, the prompt; idle-time work excluded), next to ``floor_tokens``.
 
     ``repeat`` > 1: after the main pass, ``repeat - 1`` further passes of the same trace on fresh windows for
-    ``REPEAT_POLICIES`` (same act time); per step ``critical_s_min`` is each repeated policy's least
-    ``critical_s`` over the passes (noise only adds time) and ``critical_over_recompute_max`` is taken from
-    those minima (``critical_over_recompute_max_single``: the main pass's alone). Every pass must run the same
-    critical work as the first (a pass that ran other work at a step is left out of that step's minimum and
-    listed in ``repeat_work_differs``)."""
+    every policy (same act time); per step ``critical_s_min`` and ``ttft_s_min`` are each policy's least
+    ``critical_s`` and TTFT over the passes (noise only adds time; the floor is a best of three too), and
+    ``critical_over_recompute_max``, ``ttft_over_floor_by_kind_min`` and the ``*_ttft_over_prefix_min``
+    ratios are taken from those minima (the keys without ``_min``, and ``critical_over_recompute_max_single``:
+    the main pass's alone). Every pass must run the same critical work as the first (a pass that ran other
+    work at a step is left out of that step's minima and listed in ``repeat_work_differs``)."""
     if repeat < 1:
         raise InvalidInputError(f"repeat must be at least 1, got {repeat}")
     wins = {p: _window(engine, p, arms) for p in policies}
@@ -379,24 +376,28 @@ def run_trace(
                 "answer": answers,
             }
         )
-    # per repeated policy, per step: critical seconds of every pass (the main pass first)
-    repeated = policies if repeat == 1 else tuple(p for p in REPEAT_POLICIES if p in policies)
-    passes: dict[str, list[list[float]]] = {p: [[c] for c in rows[p]["critical"]] for p in repeated}
-    first_work = {p: rows[p]["work"] for p in repeated}
+    # per policy, per step: critical and TTFT seconds of every pass (the main pass first)
+    passes: dict[str, dict[str, list[list[float]]]] = {
+        key: {p: [[c] for c in rows[p][key]] for p in policies} for key in ("critical", "ttft")
+    }
+    first_work = {p: rows[p]["work"] for p in policies}
     differs: list[dict[str, Any]] = []
     for n in range(1, repeat):
-        again = repeat_pass(engine, trace, repeated, answer_tokens, act_seconds, arms, f"window trace (pass {n + 1})")
-        found = work_differs(first_work, {p: [s.work for s in again[p]] for p in repeated}, n + 1)
+        again = repeat_pass(engine, trace, policies, answer_tokens, act_seconds, arms, f"window trace (pass {n + 1})")
+        found = work_differs(first_work, {p: [s.work for s in again[p]] for p in policies}, n + 1)
         differs.extend(found)
         left_out = {(d["policy"], d["step"]) for d in found}
-        for p in repeated:
-            for i, (seconds, done) in enumerate(zip(passes[p], again[p], strict=True)):
-                if (p, i) not in left_out:  # a minimum over equal work only
-                    seconds.append(done.critical)
-    critical_min = {p: [min(s) for s in passes[p]] for p in repeated}
+        for key, seconds_of in passes.items():
+            for p in policies:
+                for i, (seconds, done) in enumerate(zip(seconds_of[p], again[p], strict=True)):
+                    if (p, i) not in left_out:  # a minimum over equal work only
+                        seconds.append(getattr(done, key))
+    critical_min = {p: [min(s) for s in passes["critical"][p]] for p in policies}
     for i, row in enumerate(per_step):
-        row["critical_s_min"] = {p: critical_min[p][i] for p in repeated}
-        row["critical_s_passes"] = {p: passes[p][i] for p in repeated}
+        row["critical_s_min"] = {p: critical_min[p][i] for p in policies}
+        row["critical_s_passes"] = {p: passes["critical"][p][i] for p in policies}
+        row["ttft_s_min"] = {p: min(passes["ttft"][p][i]) for p in policies}
+        row["ttft_s_passes"] = {p: passes["ttft"][p][i] for p in policies}
     result: dict[str, Any] = {}
     for p, win in wins.items():
         st = win.stats()
@@ -418,11 +419,8 @@ def run_trace(
             "idle_s_mean": mean(rows[p]["idle"]),
             "background_tokens": st.background_tokens,
             "answers_equal_recompute": sum(rows[p]["match"]),
-            "ttft_over_floor_by_kind": {
-                kind: mean([r["ttft_s"][p] for r in rows_k]) / mean([r["ttft_floor_s"] for r in rows_k])
-                for kind in ("first", "slide", "recall", "rerank", "all")
-                if (rows_k := [r for r in per_step if kind in (r["kind"], "all")])
-            },
+            "ttft_over_floor_by_kind": _over_floor(per_step, lambda r, p=p: r["ttft_s"][p]),
+            "ttft_over_floor_by_kind_min": _over_floor(per_step, lambda r, p=p: r["ttft_s_min"][p]),
             "kl_mean_by_kind": {
                 kind: mean([r["kl"][p] for r in rows_k])
                 for kind in ("first", "slide", "recall", "rerank")
@@ -437,32 +435,30 @@ def run_trace(
         if "recompute" in result and p != "recompute":
             single = max_ratio(rows[p]["critical"], rows["recompute"]["critical"])
             result[p]["critical_over_recompute_max_single"] = single
-            both = p in critical_min and "recompute" in critical_min  # timed in every pass
-            result[p]["critical_over_recompute_max"] = (
-                max_ratio(critical_min[p], critical_min["recompute"]) if both else single
-            )
+            result[p]["critical_over_recompute_max"] = max_ratio(critical_min[p], critical_min["recompute"])
             works = zip(rows[p]["work"], rows["recompute"]["work"], strict=True)
             result[p]["critical_tokens_over_recompute_max"] = max(w[1] / max(r[1], 1) for w, r in works)
     result["steps"] = per_step
     result["repeat"] = repeat
-    result["repeat_policies"] = list(repeated)
+    result["repeat_policies"] = list(policies)
     result["repeat_work_differs"] = differs  # steps of later passes left out of the minima (other work)
     result["ttft_floor"] = {
         "ttft_s_mean": mean([r["ttft_floor_s"] for r in per_step]),
         "prefill_tokens": floor_tokens,
     }
     if "prefix" in result:
-        ttfts: dict[str, Callable[[dict[str, Any]], float]] = {"floor": lambda r: r["ttft_floor_s"]}
-        for name in ("kamera", "kamera_sync", "prefix_idle"):
-            if name in result:
-                ttfts[name] = lambda r, name=name: r["ttft_s"][name]
-        for name, ttft in ttfts.items():
-            result[f"{name}_ttft_over_prefix"] = _over_prefix(per_step, ttft)
-            result[f"{name}_ttft_over_prefix_by_kind"] = {
-                kind: _over_prefix(rows_k, ttft)
-                for kind in ("first", "slide", "recall", "rerank")
-                if (rows_k := [r for r in per_step if r["kind"] == kind])
-            }
+        for suffix, key in (("", "ttft_s"), ("_min", "ttft_s_min")):
+            ttfts: dict[str, Callable[[dict[str, Any]], float]] = {"floor": lambda r: r["ttft_floor_s"]}
+            for name in ("kamera", "kamera_sync", "prefix_idle"):
+                if name in result:
+                    ttfts[name] = lambda r, name=name, key=key: r[key][name]
+            for name, ttft in ttfts.items():
+                result[f"{name}_ttft_over_prefix{suffix}"] = _over_prefix(per_step, ttft, key)
+                result[f"{name}_ttft_over_prefix_by_kind{suffix}"] = {
+                    kind: _over_prefix(rows_k, ttft, key)
+                    for kind in ("first", "slide", "recall", "rerank")
+                    if (rows_k := [r for r in per_step if r["kind"] == kind])
+                }
     return result
 
 
@@ -474,9 +470,19 @@ def _critical_work(win: ContextWindow) -> tuple[int, int]:
     return sum(c.forwards for c in counted), sum(c.tokens for c in counted)
 
 
-def _over_prefix(steps: list[dict[str, Any]], ttft: Callable[[dict[str, Any]], float]) -> float:
-    """Mean of ``ttft`` (read off each step) over prefix's mean TTFT, on ``steps``."""
-    return mean([ttft(r) for r in steps]) / mean([r["ttft_s"]["prefix"] for r in steps])
+def _over_prefix(steps: list[dict[str, Any]], ttft: Callable[[dict[str, Any]], float], key: str = "ttft_s") -> float:
+    """Mean of ``ttft`` (read off each step) over prefix's mean TTFT (``key``: the main pass's, or the
+    least over the passes), on ``steps``."""
+    return mean([ttft(r) for r in steps]) / mean([r[key]["prefix"] for r in steps])
+
+
+def _over_floor(steps: list[dict[str, Any]], ttft: Callable[[dict[str, Any]], float]) -> dict[str, float]:
+    """Per step kind (and ``all``): mean of ``ttft`` over the floor's mean TTFT."""
+    return {
+        kind: mean([ttft(r) for r in rows_k]) / mean([r["ttft_floor_s"] for r in rows_k])
+        for kind in ("first", "slide", "recall", "rerank", "all")
+        if (rows_k := [r for r in steps if kind in (r["kind"], "all")])
+    }
 
 
 def floor_step(
@@ -523,7 +529,7 @@ def floor_step(
 
 def run(engine: Engine, *, quick: bool = False, act_seconds: float | None = None, repeat: int = 1) -> dict[str, Any]:
     """The trace, every policy side by side; with ``act_seconds``, the idle-time run (``ACT_POLICIES``).
-    ``repeat``: passes of the trace for ``REPEAT_POLICIES`` (``run_trace``)."""
+    ``repeat``: passes of the trace, every policy in each (``run_trace``)."""
     steps = 8 if quick else 24
     trace = build_trace(steps=steps)
     err.print(f"[bold]window[/] trace on {engine.name}: {steps} steps, window of 4 pages")

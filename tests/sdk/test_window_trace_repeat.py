@@ -1,6 +1,6 @@
 """Repeated passes of the window trace (``run_trace(repeat=N)``): each step's least operation-plus-question
-time over the passes decides ``critical_over_recompute_max``, and a pass that ran different critical work
-than the first is refused rather than folded into a minimum."""
+time over the passes decides ``critical_over_recompute_max`` (and its least TTFT the ``_min`` ratios), and
+a pass that ran different critical work than the first is left out rather than folded into a minimum."""
 
 from __future__ import annotations
 
@@ -25,21 +25,40 @@ def result(trace):
 
 
 def test_the_figure_is_taken_from_each_steps_least_time(result, trace) -> None:
-    assert result["repeat"] == 2 and result["repeat_policies"] == ["recompute", "kamera"]
+    assert result["repeat"] == 2 and result["repeat_policies"] == list(POLICIES)
     assert len(result["steps"]) == len(trace)
     for row in result["steps"]:
-        assert set(row["critical_s_min"]) == {"recompute", "kamera"}  # prefix ran once: not repeated
-        for p, least in row["critical_s_min"].items():
-            seconds = row["critical_s_passes"][p]
-            assert len(seconds) == 2 and seconds[0] == row["critical_s"][p]  # the main pass first
-            assert least == min(seconds) <= row["critical_s"][p]
+        for key in ("critical_s", "ttft_s"):
+            assert set(row[f"{key}_min"]) == set(POLICIES)  # every policy timed in every pass
+            for p, least in row[f"{key}_min"].items():
+                seconds = row[f"{key}_passes"][p]
+                assert len(seconds) == 2 and seconds[0] == row[key][p]  # the main pass first
+                assert least == min(seconds) <= row[key][p]
     ratios = [r["critical_s_min"]["kamera"] / r["critical_s_min"]["recompute"] for r in result["steps"]]
     assert result["kamera"]["critical_over_recompute_max"] == max(ratios)
     single = [r["critical_s"]["kamera"] / r["critical_s"]["recompute"] for r in result["steps"]]
     assert result["kamera"]["critical_over_recompute_max_single"] == max(single)
-    # a policy timed once keeps the single-pass figure
-    prefix = result["prefix"]
-    assert prefix["critical_over_recompute_max"] == prefix["critical_over_recompute_max_single"]
+    prefix = [r["critical_s_min"]["prefix"] / r["critical_s_min"]["recompute"] for r in result["steps"]]
+    assert result["prefix"]["critical_over_recompute_max"] == max(prefix)
+
+
+def test_ttft_ratios_from_the_minima(result) -> None:
+    """The ``_min`` ratios read each step's least TTFT; the keys without it, the main pass's."""
+    steps = result["steps"]
+
+    def ratio(key: str, p: str, rows: list) -> float:
+        return sum(r[key][p] for r in rows) / sum(r[key]["prefix"] for r in rows)
+
+    assert result["kamera_ttft_over_prefix_min"] == pytest.approx(ratio("ttft_s_min", "kamera", steps))
+    assert result["kamera_ttft_over_prefix"] == pytest.approx(ratio("ttft_s", "kamera", steps))
+    slides = [r for r in steps if r["kind"] == "slide"]
+    assert result["kamera_ttft_over_prefix_by_kind_min"]["slide"] == pytest.approx(
+        ratio("ttft_s_min", "kamera", slides)
+    )
+    floor = sum(r["ttft_floor_s"] for r in slides)
+    got = result["kamera"]["ttft_over_floor_by_kind_min"]["slide"]
+    assert got == pytest.approx(sum(r["ttft_s_min"]["kamera"] for r in slides) / floor)
+    assert got <= result["kamera"]["ttft_over_floor_by_kind"]["slide"]
 
 
 def test_one_pass_reports_the_same_keys() -> None:
@@ -49,7 +68,7 @@ def test_one_pass_reports_the_same_keys() -> None:
     )
     assert res["repeat"] == 1
     for row in res["steps"]:
-        assert row["critical_s_min"] == row["critical_s"]
+        assert row["critical_s_min"] == row["critical_s"] and row["ttft_s_min"] == row["ttft_s"]
     kam = res["kamera"]
     assert kam["critical_over_recompute_max"] == kam["critical_over_recompute_max_single"]
 
@@ -73,6 +92,7 @@ def test_a_pass_that_ran_different_work_is_left_out_of_the_minima(monkeypatch, t
         row = res["steps"][d["step"]]
         assert row["critical_s_passes"][d["policy"]] == [row["critical_s"][d["policy"]]]
         assert row["critical_s_min"][d["policy"]] == row["critical_s"][d["policy"]]
+        assert row["ttft_s_passes"][d["policy"]] == [row["ttft_s"][d["policy"]]]
 
 
 def test_the_work_check_names_the_pass_policy_and_step() -> None:
