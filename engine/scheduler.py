@@ -46,7 +46,7 @@ from pydantic import BaseModel
 from transformers import DynamicCache
 
 from .adapters.capture import Recorder, recording_rows, unrecorded
-from .batch import DecodeSlab, Row, RowCache, batched_forward, row_spans
+from .batch import DecodeSlab, Row, RowCache, batched_forward, packed_length, row_spans
 from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
@@ -492,7 +492,8 @@ class Scheduler:
         recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans[len(plan.rows) :], plan.carried, strict=True)]
         t0 = time.perf_counter()
         try:
-            with self._recording(recorded, spans[-1][1]) as captured:
+            device = next(self.engine.model.parameters()).device
+            with self._recording(recorded, packed_length(spans[-1][1], device)) as captured:
                 logits = batched_forward(self.engine.model, rows)
         except Exception:
             # find the request that fails (the others go on); every window forward runs alone, so its own

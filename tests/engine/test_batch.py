@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kamera_engine import Engine, InvalidInputError
-from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward
+from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward, packed_length
 from kamera_engine.kv import KV
 from kamera_engine.runner import call_with_cache, run_forward
 from tests.conftest import random_ids
@@ -39,6 +39,41 @@ def test_every_row_equals_its_single_forward(tiny: Engine) -> None:
         assert (kv.values - ref.kv.values).abs().max() < TOL
         assert len(row.cache) == p + n
     assert tiny.model.config._attn_implementation == "sdpa"  # the model is left as it was
+
+
+def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -> None:
+    """On a CPU, 3 to 16 tokens are packed into a multiple of 4; the filler is written to no cache and
+    changes no row's logits."""
+    cpu = torch.device("cpu")
+    assert [packed_length(n, cpu) for n in (1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 40)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        8,
+        12,
+        16,
+        16,
+        17,
+        40,
+    ]
+    assert packed_length(3, torch.device("meta")) == 3  # a GPU's BLAS needs no filler
+    for shapes in ([(7, 1), (12, 1), (20, 1)], [(5, 4), (9, 1)]):  # 3 decode rows; a prompt chunk and a decode row
+        rows, refs = [], []
+        for i, (p, n) in enumerate(shapes):
+            past = _past(tiny, p, 30 + i)
+            ids = torch.tensor(random_ids(n, 130 + i))
+            refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
+            rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
+        assert packed_length(sum(n for _, n in shapes), cpu) > sum(n for _, n in shapes)
+        outs = batched_forward(tiny.model, rows)
+        for (p, n), ref, out, row in zip(shapes, refs, outs, rows, strict=True):
+            assert out is not None and out.shape == ref.logits.shape
+            assert (out - ref.logits).abs().max() < TOL
+            assert len(row.cache) == p + n  # the row's own tokens, no filler
+            kv = row.cache.kv(p, p + n, None)
+            assert (kv.keys - ref.kv.keys).abs().max() < TOL
 
 
 def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
