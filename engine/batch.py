@@ -500,15 +500,16 @@ def _rows_attention_on(model: nn.Module, rows: _Rows) -> Iterator[None]:
 
 
 def packed_length(tokens: int, device: torch.device) -> int:
-    """How long the packed sequence of a batched forward of ``tokens`` new tokens is. On a CPU a short step
-    (3 to 16 tokens: decode rows, mostly) is filled up to a multiple of 4: BLAS multiplies such a block of
-    rows faster than the odd count below it (on the default model's weights, 2-core AMD EPYC, MKL: 7 rows
-    49 ms over the 30 layers' GEMMs, 8 rows 38 ms; 3 rows 43 ms, 4 rows 37 ms; ``docs/batching.md``).
-    The filler tokens attend to nothing and no logits are read from them; the rows' tokens are computed as
-    before. Elsewhere, and for 1, 2 or more than 16 tokens, ``tokens``."""
-    if device.type != "cpu" or not 3 <= tokens <= 16:
+    """How long the packed sequence of a batched forward of ``tokens`` new tokens is. On a CPU a short step of
+    3, 7, 11 or 15 tokens (decode rows, mostly) gets one filler token: BLAS multiplies the rows of the model's
+    GEMMs in blocks of four, and a block of three left over costs more than a full one (a decode step over
+    the default model, 2-core AMD EPYC, MKL: 3 rows 121 ms, filled to 4 104 ms; 7 rows 129 ms, filled 115 ms;
+    at 5 or 13 rows filling up to the next multiple of four costs more, so it stops at one token;
+    ``docs/batching.md``). The filler attends to nothing, lands in no cache and no logits are read from it.
+    Elsewhere, ``tokens``."""
+    if device.type != "cpu" or tokens > 16 or tokens % 4 != 3:
         return tokens
-    return -(-tokens // 4) * 4
+    return tokens + 1
 
 
 def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
