@@ -1,8 +1,9 @@
 """Batched forwards: several independent requests in one model call, in a ragged (packed) layout.
 
 Each request (a *row*) brings its own past KV, its own new token ids and its own explicit positions.
-The rows' new tokens are packed into one sequence (no padding), so every weight GEMM of the model reads
-its weights once for all rows; attention is the only part that must not mix rows. A registered
+The rows' new tokens are packed into one sequence (no padding between rows; on a CPU a short step may get
+one filler token at the end, ``packed_length``), so every weight GEMM of the model reads its weights once
+for all rows; attention is the only part that must not mix rows. A registered
 transformers attention function splits it by the rows' cumulative lengths:
 
 * decode rows (one new token each) whose caches live in one :class:`DecodeSlab` (their KV side by side
@@ -340,8 +341,8 @@ _local = threading.local()
 
 def _row_mask(past: int, n: int, base: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """The mask a single-request forward over ``past`` tokens would get (None where it gets none)."""
-    if base.startswith("flash") or n == 1 or past == 0:
-        return None  # decode, or a causal run from the start: SDPA's is_causal / flash's causal flag
+    if base.startswith("flash") or n == 1 or (past == 0 and base != "eager"):
+        return None  # decode, or a causal run from the start: SDPA's is_causal / flash's causal flag (eager has none)
     q = torch.arange(n, device=device)[:, None] + past
     k = torch.arange(past + n, device=device)[None, :]
     allowed = (k <= q)[None, None]

@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         default=None,
-        help="window only: run the trace N times for kamera and recompute and take each step's least "
-        "operation-plus-question time (critical_over_recompute_max; the issue's figure uses 3; default 1)",
+        help="window only: run the trace N times, every policy in each pass, and take each step's least "
+        "operation-plus-question time and TTFT (critical_over_recompute_max, the _min ratios; the issue's "
+        "figures use 3; default 1)",
     )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(

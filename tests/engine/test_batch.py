@@ -41,6 +41,26 @@ def test_every_row_equals_its_single_forward(tiny: Engine) -> None:
     assert tiny.model.config._attn_implementation == "sdpa"  # the model is left as it was
 
 
+def test_eager_attention_rows_equal_their_single_forward(tiny: Engine) -> None:
+    """On eager attention (no is_causal flag) a prompt row from an empty cache still gets its causal mask."""
+    config = tiny.model.config
+    try:
+        config._attn_implementation = "eager"
+        shapes = [(0, 5), (7, 3), (12, 1)]
+        rows, refs = [], []
+        for i, (p, n) in enumerate(shapes):
+            past = _past(tiny, p, 60 + i)
+            ids = torch.tensor(random_ids(n, 160 + i))
+            refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
+            rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
+        outs = batched_forward(tiny.model, rows)
+        for ref, out in zip(refs, outs, strict=True):
+            assert out is not None and (out - ref.logits).abs().max() < TOL
+        assert config._attn_implementation == "eager"
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -> None:
     """On a CPU, a step of 3, 7, 11 or 15 tokens gets one filler token; the filler is written to no cache and
     changes no row's logits."""
