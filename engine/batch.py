@@ -524,8 +524,9 @@ def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
 
 
 @torch.inference_mode()
-def batched_forward(model: nn.Module, rows: Sequence[Row]) -> list[torch.Tensor | None]:
+def batched_forward(model: nn.Module, rows: Sequence[Row], *, fill: bool = True) -> list[torch.Tensor | None]:
     """Run every row's new tokens after its own cache in one model call; the caches grow in place.
+    ``fill``: pack a short CPU step with its filler token (``packed_length``; False only to measure it).
 
     Returns per row its logits as float32: ``(vocab,)`` for ``"last"``, ``(N, vocab)`` for ``"all"``,
     None for ``"none"``. A forward that raises leaves every row's cache as it was.
@@ -546,7 +547,7 @@ def batched_forward(model: nn.Module, rows: Sequence[Row]) -> list[torch.Tensor 
             keep.append(b - 1)
     ids = torch.cat([r.ids for r in rows]).to(device)[None]
     positions = torch.cat([r.positions for r in rows]).to(device)[None]
-    padding = packed_length(at, device) - at
+    padding = packed_length(at, device) - at if fill else 0
     if padding:  # filler: token 0 at position 0, attending to nothing
         ids, positions = F.pad(ids, (0, padding)), F.pad(positions, (0, padding))
     marks = [r.cache.mark() for r in rows]

@@ -1,8 +1,10 @@
 """What small batches cost on this CPU (docs/batching.md, "Canonicals in steps, the anchor once, patches on
 one thread"): the figures behind the serve benchmark's ratio at 8 sessions.
 
-* ``decode_step_s``: one batched decode step of B rows (B in 1, 2, 3, 4, 5, 8, 16), each a window of
-  ``--past`` tokens in the decode slab, on the default model: best of 5, as the scheduler runs it;
+* ``decode_step_s``: one batched decode step of B rows (B in 1 to 5, 7, 8, 11, 13, 15, 16), each a window of
+  ``--past`` tokens in the decode slab, on the default model: best of 5, as the scheduler runs it (a step of
+  3, 7, 11 or 15 tokens with its filler token, ``batch.packed_length``); ``decode_step_s_plain``: the same
+  without the filler;
 * ``lm_head_ms``: the LM head's GEMM for B rows, as ``h @ W^T`` (what ``nn.Linear`` runs) and as
   ``(W @ h^T)^T``: MKL runs 2 or 3 rows as matrix-vector products;
 * ``eigh_s``: 30 eigh of 192 x 192 matrices (a patch's per-layer factorisation on the default model)
@@ -31,7 +33,7 @@ from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
 from kamera_engine.threads import lapack_on_one_thread
 from kamera_sdk.bench.metrics import timed_result
 
-ROWS = (1, 2, 3, 4, 5, 8, 16)
+ROWS = (1, 2, 3, 4, 5, 7, 8, 11, 13, 15, 16)
 
 
 def best(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -39,7 +41,7 @@ def best(fn: Callable[[], object], repeat: int = 5) -> float:
     return timed_result(fn, repeat=repeat, warmup=1, reduce=min)[0]
 
 
-def decode_steps(engine: Engine, past_tokens: int) -> dict[str, float]:
+def decode_steps(engine: Engine, past_tokens: int, *, fill: bool = True) -> dict[str, float]:
     ids = [int(t) % engine.vocab_size for t in range(100, 100 + past_tokens)]
     past = engine.forward(ids, None, 0, logits="none").kv
     out = {}
@@ -53,7 +55,7 @@ def decode_steps(engine: Engine, past_tokens: int) -> dict[str, float]:
         def step(caches: list[RowCache] = caches, marks: list[list[int]] = marks) -> None:
             for c, m in zip(caches, marks, strict=True):
                 c.rollback(m)
-            batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches])
+            batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches], fill=fill)
 
         out[str(b)] = best(step)
     return out
@@ -106,6 +108,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "past_tokens": args.past,
         "decode_step_s": decode_steps(engine, args.past),
+        "decode_step_s_plain": decode_steps(engine, args.past, fill=False),
         "lm_head_ms": lm_head(engine),
         "eigh_s": eigh_times(),
     }

@@ -76,10 +76,15 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
             refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
             rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
         assert packed_length(sum(n for _, n in shapes), cpu) > sum(n for _, n in shapes)
+        marks = [row.cache.mark() for row in rows]
+        plain = batched_forward(tiny.model, rows, fill=False)
+        for row, mark in zip(rows, marks, strict=True):
+            row.cache.rollback(mark)
         outs = batched_forward(tiny.model, rows)
-        for (p, n), ref, out, row in zip(shapes, refs, outs, rows, strict=True):
+        for (p, n), ref, out, row, unfilled in zip(shapes, refs, outs, rows, plain, strict=True):
             assert out is not None and out.shape == ref.logits.shape
             assert (out - ref.logits).abs().max() < TOL
+            assert unfilled is not None and (out - unfilled).abs().max() < TOL
             assert len(row.cache) == p + n  # the row's own tokens, no filler
             kv = row.cache.kv(p, p + n, None)
             assert (kv.keys - ref.kv.keys).abs().max() < TOL
