@@ -503,11 +503,11 @@ def _rows_attention_on(model: nn.Module, rows: _Rows) -> Iterator[None]:
 def packed_length(tokens: int, device: torch.device) -> int:
     """How long the packed sequence of a batched forward of ``tokens`` new tokens is. On a CPU a short step of
     3, 7, 11 or 15 tokens (decode rows, mostly) gets one filler token: BLAS multiplies the rows of the model's
-    GEMMs in blocks of four, and a block of three left over costs more than a full one (a decode step over
-    the default model, 2-core AMD EPYC, MKL: 3 rows 121 ms, filled to 4 104 ms; 7 rows 129 ms, filled 115 ms;
-    at 5 or 13 rows filling up to the next multiple of four costs more, so it stops at one token;
-    ``docs/batching.md``). The filler attends to nothing, lands in no cache and no logits are read from it.
-    Elsewhere, ``tokens``."""
+    GEMMs in blocks of four, and a block of three left over can cost more than a full one (a decode step over
+    the default model, 2-core AMD EPYC, MKL: 3 rows 119-121 ms, filled to 4 103-104 ms; at 7, 11 and 15 rows
+    up to 11% in one run, level in another; at 5 or 13 rows filling up to the next multiple of four costs
+    more, so it stops at one token; ``docs/batching.md``). The filler attends to nothing, lands in no cache
+    and no logits are read from it. Elsewhere, ``tokens``."""
     if device.type != "cpu" or tokens > 16 or tokens % 4 != 3:
         return tokens
     return tokens + 1

@@ -41,10 +41,12 @@ def best(fn: Callable[[], object], repeat: int = 5) -> float:
     return timed_result(fn, repeat=repeat, warmup=1, reduce=min)[0]
 
 
-def decode_steps(engine: Engine, past_tokens: int, *, fill: bool = True) -> dict[str, float]:
+def decode_steps(engine: Engine, past_tokens: int, rounds: int = 5) -> dict[str, dict[str, float]]:
+    """Per row count, the least of ``rounds`` timings of a decode step with the filler (``filled``, as the
+    scheduler runs it) and without (``plain``), the two timed alternately so that drift hits both."""
     ids = [int(t) % engine.vocab_size for t in range(100, 100 + past_tokens)]
     past = engine.forward(ids, None, 0, logits="none").kv
-    out = {}
+    out: dict[str, dict[str, float]] = {"filled": {}, "plain": {}}
     for b in ROWS:
         caches = [RowCache.from_past(past, engine.num_layers, reserve=2) for _ in range(b)]
         slab = DecodeSlab()
@@ -52,12 +54,19 @@ def decode_steps(engine: Engine, past_tokens: int, *, fill: bool = True) -> dict
             slab.admit(c, past_tokens + 2)
         marks = [c.mark() for c in caches]
 
-        def step(caches: list[RowCache] = caches, marks: list[list[int]] = marks) -> None:
+        def step(fill: bool, caches: list[RowCache] = caches, marks: list[list[int]] = marks) -> None:
             for c, m in zip(caches, marks, strict=True):
                 c.rollback(m)
             batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches], fill=fill)
 
-        out[str(b)] = best(step)
+        times: dict[str, list[float]] = {"filled": [], "plain": []}
+        step(True)
+        step(False)
+        for _ in range(rounds):
+            for arm in times:
+                times[arm].append(timed_result(lambda arm=arm: step(arm == "filled"), repeat=1, warmup=0)[0])
+        for arm, ts in times.items():
+            out[arm][str(b)] = min(ts)
     return out
 
 
@@ -103,12 +112,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = parser.parse_args()
     engine = Engine.load()
+    steps = decode_steps(engine, args.past)
     result = {
         "model": engine.name,
         "threads": torch.get_num_threads(),
         "past_tokens": args.past,
-        "decode_step_s": decode_steps(engine, args.past),
-        "decode_step_s_plain": decode_steps(engine, args.past, fill=False),
+        "decode_step_s": steps["filled"],
+        "decode_step_s_plain": steps["plain"],
         "lm_head_ms": lm_head(engine),
         "eigh_s": eigh_times(),
     }
