@@ -22,13 +22,19 @@ def _past(engine: Engine, n: int, seed: int) -> KV | None:
     return run_forward(engine.model, torch.tensor(random_ids(n, seed)), None, 0, logits="none").kv
 
 
-def test_every_row_equals_its_single_forward(tiny: Engine) -> None:
+def _rows_and_singles(tiny: Engine, shapes: list[tuple[int, int]], seed: int) -> tuple[list[Row], list]:
+    """Per (past, new) shape: a row over a random past with random new ids, and that row's single forward."""
     rows, refs = [], []
-    for i, (p, n) in enumerate(SHAPES):
-        past = _past(tiny, p, i)
-        ids = torch.tensor(random_ids(n, 100 + i))
+    for i, (p, n) in enumerate(shapes):
+        past = _past(tiny, p, seed + i)
+        ids = torch.tensor(random_ids(n, seed + 100 + i))
         refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
         rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
+    return rows, refs
+
+
+def test_every_row_equals_its_single_forward(tiny: Engine) -> None:
+    rows, refs = _rows_and_singles(tiny, SHAPES, seed=0)
     outs = batched_forward(tiny.model, rows)
     for (p, n), ref, out, row in zip(SHAPES, refs, outs, rows, strict=True):
         assert out is not None and out.shape == ref.logits.shape
@@ -47,12 +53,7 @@ def test_eager_attention_rows_equal_their_single_forward(tiny: Engine) -> None:
     try:
         config._attn_implementation = "eager"
         shapes = [(0, 5), (7, 3), (12, 1)]
-        rows, refs = [], []
-        for i, (p, n) in enumerate(shapes):
-            past = _past(tiny, p, 60 + i)
-            ids = torch.tensor(random_ids(n, 160 + i))
-            refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
-            rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
+        rows, refs = _rows_and_singles(tiny, shapes, seed=60)
         outs = batched_forward(tiny.model, rows)
         for ref, out in zip(refs, outs, strict=True):
             assert out is not None and (out - ref.logits).abs().max() < TOL
@@ -69,12 +70,7 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
     assert got == [1, 2, 4, 5, 8, 8, 12, 13, 16, 19, 40]
     assert packed_length(3, torch.device("meta")) == 3  # a GPU's BLAS needs no filler
     for shapes in ([(7, 1), (12, 1), (20, 1)], [(5, 6), (9, 1)]):  # 3 decode rows; a prompt chunk and a decode row (7)
-        rows, refs = [], []
-        for i, (p, n) in enumerate(shapes):
-            past = _past(tiny, p, 30 + i)
-            ids = torch.tensor(random_ids(n, 130 + i))
-            refs.append(run_forward(tiny.model, ids, past, p, logits="all"))
-            rows.append(Row.at(RowCache.from_past(past, tiny.num_layers, reserve=n), ids, p, logits="all"))
+        rows, refs = _rows_and_singles(tiny, shapes, seed=30)
         assert packed_length(sum(n for _, n in shapes), cpu) > sum(n for _, n in shapes)
         marks = [row.cache.mark() for row in rows]
         plain = batched_forward(tiny.model, rows, fill=False)
