@@ -86,6 +86,19 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
             assert (kv.keys - ref.kv.keys).abs().max() < TOL
 
 
+def test_the_column_head_runs_only_inside_a_batched_forward(tiny: Engine) -> None:
+    """A batched step of 2-8 rows computes its logits as (W @ h^T)^T (within tolerance of the single path);
+    the head outside a batched forward stays the model's own, bit for bit."""
+    rows, refs = _rows_and_singles(tiny, [(7, 1), (12, 1), (20, 1), (3, 1)], seed=90)
+    outs = batched_forward(tiny.model, rows)
+    for ref, out in zip(refs, outs, strict=True):
+        assert out is not None and (out - ref.logits).abs().max() < TOL
+    head = tiny.model.get_output_embeddings()
+    assert getattr(head, "_kamera_column_head", False)
+    x = torch.randn(1, 3, head.in_features)
+    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+
+
 def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
     """Several decode steps in a batch, rows of different lengths, against transformers' own cache."""
     prompts = [random_ids(n, 50 + n) for n in (4, 11, 6)]
