@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -491,29 +492,33 @@ _switch = threading.Lock()
 COLUMN_HEAD_ROWS = range(2, 9)
 
 
+def column_logits(head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``head(x)`` for ``x`` of shape ``(1, k, H)`` computed as ``(W @ h^T)^T`` (``_column_head``)."""
+    out = torch.matmul(head.weight, x[0].T).T
+    if head.bias is not None:
+        out = out + head.bias
+    return out[None]
+
+
+def _column_forward(head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    inside = getattr(_local, "rows", None) is not None  # a batched forward on this thread
+    if inside and x.device.type == "cpu" and x.dim() == 3 and x.shape[0] == 1 and x.shape[1] in COLUMN_HEAD_ROWS:
+        return column_logits(head, x)
+    return nn.Linear.forward(head, x)
+
+
 def _column_head(model: nn.Module) -> None:
-    """Once per model: its output head computes the logits of 2 to 8 rows as ``(W @ h^T)^T`` inside a
-    batched forward on a CPU. MKL runs ``h @ W^T`` for a few rows as that many matrix-vector products over
-    the vocabulary's weights; a decode step of 2-8 rows of the default model took 8-29% less with the
-    column form (``docs/batching.md``). Everywhere else (a single forward, another thread, more rows, a
-    GPU) the head's own forward runs, unchanged. The two forms differ by float rounding (about 4e-5 on
-    logits of the default model), within the batching tolerance."""
+    """Once per CPU model: its output head computes the logits of 2 to 8 rows as ``(W @ h^T)^T`` inside a
+    batched forward. MKL runs ``h @ W^T`` for a few rows as that many matrix-vector products over the
+    vocabulary's weights; a decode step of 2-8 rows of the default model took 8-29% less with the column
+    form (``docs/batching.md``). Any forward outside ``batched_forward`` (or with other row counts) runs
+    ``nn.Linear``'s own. The two forms differ by float rounding (about 4e-5 on logits of the default
+    model), within the batching tolerance. The head's ``forward`` becomes a bound method of a module-level
+    function, so a deep copy or a pickle of the model stays consistent."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or getattr(head, "_kamera_column_head", False):
+    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or "forward" in vars(head):
         return
-    plain = head.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        inside = getattr(_local, "rows", None) is not None
-        if inside and x.device.type == "cpu" and x.dim() == 3 and x.shape[0] == 1 and x.shape[1] in COLUMN_HEAD_ROWS:
-            out = torch.matmul(head.weight, x[0].T).T
-            if head.bias is not None:
-                out = out + head.bias
-            return out[None]
-        return plain(x)
-
-    head.forward = forward  # type: ignore[method-assign]
-    head._kamera_column_head = True  # type: ignore[assignment]
+    head.forward = types.MethodType(_column_forward, head)  # type: ignore[method-assign]
 
 
 @contextmanager

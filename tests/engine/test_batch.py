@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kamera_engine.batch as batch_module
 from kamera_engine import Engine, InvalidInputError
-from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward, packed_length
+from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward, column_logits, packed_length
 from kamera_engine.kv import KV
 from kamera_engine.runner import call_with_cache, run_forward
 from tests.conftest import random_ids
@@ -86,17 +87,27 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
             assert (kv.keys - ref.kv.keys).abs().max() < TOL
 
 
-def test_the_column_head_runs_only_inside_a_batched_forward(tiny: Engine) -> None:
+def test_the_column_head_runs_only_inside_a_batched_forward(tiny: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batched step of 2-8 rows computes its logits as (W @ h^T)^T (within tolerance of the single path);
-    the head outside a batched forward stays the model's own, bit for bit."""
+    outside a batched forward the head stays nn.Linear's own, bit for bit."""
+    calls: list[tuple[int, ...]] = []
+
+    def spy(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return column_logits(head, x)
+
+    monkeypatch.setattr(batch_module, "column_logits", spy)
     rows, refs = _rows_and_singles(tiny, [(7, 1), (12, 1), (20, 1), (3, 1)], seed=90)
     outs = batched_forward(tiny.model, rows)
+    assert calls == [(1, 4, tiny.model.config.hidden_size)]  # the column form ran, once, for the 4 rows
     for ref, out in zip(refs, outs, strict=True):
         assert out is not None and (out - ref.logits).abs().max() < TOL
     head = tiny.model.get_output_embeddings()
-    assert getattr(head, "_kamera_column_head", False)
     x = torch.randn(1, 3, head.in_features)
-    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias)) and len(calls) == 1
+    ten = _rows_and_singles(tiny, [(5, 1)] * 10, seed=95)[0]
+    batched_forward(tiny.model, ten)
+    assert len(calls) == 1  # 10 rows: the head's own form
 
 
 def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
