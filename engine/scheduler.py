@@ -492,8 +492,7 @@ class Scheduler:
         recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans[len(plan.rows) :], plan.carried, strict=True)]
         t0 = time.perf_counter()
         try:
-            device = next(self.engine.model.parameters()).device
-            with self._recording(recorded, packed_length(spans[-1][1], device)) as captured:
+            with self._recording(recorded, packed_length(spans[-1][1], self.engine.device)) as captured:
                 logits = batched_forward(self.engine.model, rows)
         except Exception:
             # find the request that fails (the others go on); every window forward runs alone, so its own
@@ -641,7 +640,7 @@ class Scheduler:
         caller raises the error); the others are planned."""
         with self._lock:
             pending = list(self._carried)
-        device = next(self.engine.model.parameters()).device
+        device = self.engine.device
         for item in pending:
             if budget <= 0 or len(plan.rows) + len(plan.carried) >= self.max_rows:
                 break
@@ -772,7 +771,7 @@ class Scheduler:
         self._running.append(req)
         self._kv_bytes += req.need_bytes
         self._stats.kv_bytes_peak = max(self._stats.kv_bytes_peak, self._kv_bytes)
-        device = next(self.engine.model.parameters()).device
+        device = self.engine.device
         if req._prefilled is not None:
             p = req._prefilled
             req._cache = RowCache.from_layers(p.layers, reserve=params.max_new_tokens)
