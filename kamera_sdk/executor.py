@@ -32,7 +32,7 @@ from .graph import DependencyGraph
 from .metering import EngineMeter
 from .persistence import Persistence
 from .plan import Plan, SlotPlan, Source
-from .slots import PendingPatch, Slot
+from .slots import FreeLater, PendingPatch, Slot
 from .stats import Decision, Work
 
 log = logging.getLogger("kamera.window")
@@ -77,7 +77,7 @@ class Executor:
         self.persistence = persistence
         #: pending patches whose slot was served another way this time (it led, or was re-prefilled): the
         #: KV they are formed from is kept here until the window forms them, after the answer
-        self.orphans: list[tuple[Chunk, KV, PendingPatch]] = []
+        self.orphans: list[tuple[Chunk, KV | FreeLater, PendingPatch]] = []
         #: the branch's window buffer, kept from one assembly to the next (``config.reuse_buffer``); a fork
         #: has an executor, and so a buffer, of its own
         self.buffer: WindowBuffer | None = None
@@ -188,7 +188,7 @@ class Executor:
             buffer.append(e.anchor_kv, keys=[("placed", e.anchor_kv)])
         placed = 0
         for sp, slot in zip(plan.slots, slots, strict=True):
-            rotation = sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None
+            rotation = sp.source in (Source.KEEP, Source.SURVIVOR) and slot.has_kv
             if not (rotation or (sp.source is Source.LEAD and sp.chunk.canonical is not None)):
                 break
             self._place(buffer, sp, slot, keep_slot_kv)
@@ -229,9 +229,9 @@ class Executor:
         its position-free KV (a kept slot's, the resident canonical) or the canonical and patch it is
         reconstructed from, and its position. A prefix source's KV (a view of earlier rows) has none."""
         canonical = sp.chunk.canonical
-        if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None and slot.patch is not None:
+        if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.has_kv and slot.patch is not None:
             return [] if canonical is None else [("patch", canonical, slot.patch, sp.start)]
-        if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.kv is not None:
+        if sp.source in (Source.KEEP, Source.SURVIVOR) and slot.has_kv:
             return [("free", slot.kv, sp.start)]
         if sp.source is Source.PATCH and sp.patch is not None and canonical is not None:
             return [("patch", canonical, sp.patch.patch, sp.start)]
@@ -293,9 +293,11 @@ class Executor:
             )
             work.move(Work.PROMPT, len(prompt or []))  # the prompt rode in this forward
         self.stats.time("forward", time.perf_counter() - t0)
+        # views of the forward's own output (a copy the engine made, ``ForwardResult.kv``): a slot that keeps
+        # its KV copies what it keeps when it is made position-free (``FreeLater``)
         out, at = [], 0
         for sp in run:
-            out.append(res.kv.slice(at, at + len(sp.chunk)).clone())
+            out.append(res.kv.slice(at, at + len(sp.chunk)))
             at += len(sp.chunk)
         return out, (res if prompt is not None else None)
 
@@ -310,13 +312,17 @@ class Executor:
         *,
         formed: bool,
         prior: dict[ChunkId, frozenset],
-        free: KV | None = None,
+        free: KV | FreeLater | None = None,
     ) -> Slot:
         """Record the slot's new state. A forward that should yield a patch leaves it *pending* on the
         slot (the slot holds the conditioned KV it is formed from); the window forms it off the answer's
-        critical path, when the slot leaves the window or its conditioning is needed elsewhere."""
+        critical path, when the slot leaves the window or its conditioning is needed elsewhere. A formed
+        slot's position-free KV is computed after the answer too (``FreeLater``), unless background work
+        is off (then here, as every other piece of work)."""
         if formed and keep_slot_kv:
-            free = self.engine.make_free(kv)
+            free = FreeLater(kv, self.engine.make_free)
+            if self.config.background == "off":
+                free.get()
         pending = None
         absorbed = self._absorbed(sp, slot, prior)
         if formed and sp.form_patch:
@@ -326,8 +332,8 @@ class Executor:
                 pending = None
         elif sp.source in (Source.KEEP, Source.SURVIVOR):
             pending = slot.pending
-        if slot.pending is not None and slot.kv is not None and pending is not slot.pending:
-            self.orphans.append((sp.chunk, slot.kv, slot.pending))  # never dropped: formed later
+        if slot.pending is not None and slot.has_kv and pending is not slot.pending:
+            self.orphans.append((sp.chunk, slot.held, slot.pending))  # never dropped: formed later
         self._record(sp, slot, graph, step)
         graph.set_conditioning(sp.chunk.id, tuple(sorted(absorbed)), sp.source.value)
         kept = free if keep_slot_kv else None
@@ -401,7 +407,7 @@ class Executor:
         patches were formed here (a fork sharing a slot may have formed one already)."""
         formed = 0
         for i, slot in enumerate(slots):
-            if slot.pending is None or slot.kv is None or not any(slot is s for s in which):
+            if slot.pending is None or not slot.has_kv or not any(slot is s for s in which):
                 continue
             formed += slot.pending.stored is None
             self.form_pending(self.table.get(slot.chunk_id), slot.kv, slot.pending)
@@ -423,7 +429,7 @@ class Executor:
                 continue
             new = pending.stored is None
             try:
-                self.form_pending(chunk, kv, pending)
+                self.form_pending(chunk, kv.get() if isinstance(kv, FreeLater) else kv, pending)
             except Exception as exc:
                 self.orphans[:0] = kept
                 if raise_errors:

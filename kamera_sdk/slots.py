@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kamera_engine import KV, Patch
@@ -26,21 +28,63 @@ class PendingPatch:
         self.kind = PatchKind(self.kind)
 
 
+class FreeLater:
+    """A slot's position-free KV, un-rotated from its placed KV on first use.
+
+    Un-rotating (``Engine.make_free``: one exact float64 rotation per key, and a copy of the values that
+    frees them from the forward's output) is not needed for the answer of the use that formed the KV, only
+    for the window's next placement of it. So the window holds the placed KV and does this in idle time
+    (``ContextWindow.prepare``) or, at the latest, in whichever call reads ``Slot.kv`` first: the same
+    arithmetic either way, so the bits do not depend on when it ran. Forks share the holder, and the first
+    reader computes it once (under a lock, for background threads).
+    """
+
+    __slots__ = ("_free", "_lock", "_make_free", "_placed")
+
+    def __init__(self, placed: KV, make_free: Callable[[KV], KV]) -> None:
+        if placed.positions is None:
+            raise ValueError("FreeLater takes a placed KV (positions set)")
+        self._placed: KV | None = placed
+        self._make_free = make_free
+        self._free: KV | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the position-free KV has been computed."""
+        return self._free is not None
+
+    def get(self) -> KV:
+        """The position-free KV (computed on the first call, the same object on every later one)."""
+        free = self._free
+        if free is not None:
+            return free
+        with self._lock:
+            if self._free is None:
+                placed = self._placed
+                assert placed is not None
+                free = self._make_free(placed)
+                self._free = KV(free.keys, free.values.clone(), None, free.deltas)
+                self._placed = None  # the forward's output is no longer held
+            return self._free
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """A chunk in the window and its materialised KV.
 
     ``kv`` is the chunk's conditioned KV in the position-free frame (keys at angle 0), so every later
-    placement is one rotation from angle 0, never a chain. ``antecedent`` is what that KV is conditioned
-    on now; ``absorbed`` is every chunk whose content that KV has taken in (a survivor keeps the
-    conditioning of chunks that slid out). ``patch``: when ``kv`` is the chunk's canonical plus this patch
-    (served from a stored patch), the slot is placed from the canonical and the patch again, so every
-    placement of it rounds as the patched one did. Slots are immutable: an operation builds new slots, so
-    forks can share the old ones.
+    placement is one rotation from angle 0, never a chain; ``held`` is that KV, or a ``FreeLater`` that
+    computes it on first use (``kv`` reads through it; ``has_kv`` asks without computing). ``antecedent``
+    is what that KV is conditioned on now; ``absorbed`` is every chunk whose content that KV has taken in
+    (a survivor keeps the conditioning of chunks that slid out). ``patch``: when ``kv`` is the chunk's
+    canonical plus this patch (served from a stored patch), the slot is placed from the canonical and the
+    patch again, so every placement of it rounds as the patched one did. Slots are immutable: an operation
+    builds new slots, so forks can share the old ones.
     """
 
     chunk_id: ChunkId
-    kv: KV | None = None
+    held: KV | FreeLater | None = None
     antecedent: Antecedent | None = None
     source: str = ""
     absorbed: frozenset[ChunkId] = frozenset()
@@ -48,5 +92,20 @@ class Slot:
     recalled: bool = False  # re-admitted after an eviction and not materialised since
     patch: Patch | None = None
 
+    @property
+    def kv(self) -> KV | None:
+        held = self.held
+        return held.get() if isinstance(held, FreeLater) else held
+
+    @property
+    def has_kv(self) -> bool:
+        return self.held is not None
+
+    @property
+    def free_later(self) -> FreeLater | None:
+        """The holder still to compute this slot's position-free KV, if there is one."""
+        held = self.held
+        return held if isinstance(held, FreeLater) and not held.ready else None
+
     def materialised(self) -> bool:
-        return self.kv is not None and self.antecedent is not None
+        return self.held is not None and self.antecedent is not None

@@ -875,6 +875,7 @@ class ContextWindow:
             self._state.slots[:end] = execution.slots
             self._forget_uses()
             self._log_plan(head)
+            self._queue_free()
         self._queue_patches()
         self._queue_survivors()
 
@@ -887,14 +888,32 @@ class ContextWindow:
             return
         for slot in slots:
             pending = slot.pending
-            if pending is None or slot.kv is None or pending.stored is not None:
+            if pending is None or not slot.has_kv or pending.stored is not None:
                 continue
             chunk = self._table.get(slot.chunk_id)
-            run = functools.partial(self._executor.form_pending, chunk, slot.kv, pending)
+            run = functools.partial(self._form_left, chunk, slot, pending)
             tokens = len(chunk) if chunk.canonical is None else 0  # its canonical may still be deferred
             task = Task("leaving", chunk.label(), Phase.LATENCY, float(len(chunk)), tokens, run, chunk=chunk.id)
             self._push(task, replace=False)
             self._leaving.add(chunk.id)
+
+    def _form_left(self, chunk: Chunk, slot: Slot, pending: PendingPatch) -> None:
+        kv = slot.kv  # read when the task runs: a position-free KV still to compute is computed there
+        assert kv is not None
+        self._executor.form_pending(chunk, kv, pending)
+
+    def _queue_free(self) -> None:
+        """Slots a forward just formed hold their placed KV (``slots.FreeLater``): made position-free in
+        idle time, before the next use places them."""
+        waiting = [s for s in self._state.slots if s.free_later is not None]
+        if waiting:
+            value = float(sum(len(self._table.get(s.chunk_id)) for s in waiting))
+            self._push(Task("free", "*", Phase.LATENCY, value, 0, self._make_free))
+
+    def _make_free(self) -> None:
+        for slot in self._state.slots:
+            if (held := slot.free_later) is not None:
+                held.get()
 
     def _form_leaving(self, chunk_id: ChunkId | None = None) -> int:
         """Form, now, the queued patches of slots that left the window (of ``chunk_id``, or all)."""
@@ -1057,6 +1076,7 @@ class ContextWindow:
         self._log_plan(plan)
         if self.config.background != "off":
             self._queue_patches()  # patches set aside by this use: formed in idle time
+            self._queue_free()
         if execution.prompt is not None:  # only when a prompt was passed
             assert prompt is not None
             self._prompt_memo = (tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))

@@ -344,3 +344,41 @@ def test_a_slides_survivors_are_placed_in_idle_time(monkeypatch: pytest.MonkeyPa
     cold_rotations, cold_lp = _slide_step(False, monkeypatch)
     assert idle_rotations == 0 and cold_rotations == 3, (idle_rotations, cold_rotations)
     assert torch.equal(idle_lp, cold_lp)
+
+
+def _make_free_calls(background: str, idle: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int, list]:
+    """Three chunks asked over (the first use prefills the two behind the lead, which keep their KV), the
+    agent's idle time (or none), a slide, idle time again and the question. Returns the ``engine.make_free``
+    calls inside the first use and inside the second, and both uses' log-probs."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background=background))
+    for i in range(3):
+        win.add(random_ids(8 + i, seed=60 + i))
+    calls: list[int] = []
+    make_free = _ENGINE.make_free
+    with monkeypatch.context() as m:
+        m.setattr(_ENGINE, "make_free", lambda kv: calls.append(1) or make_free(kv))
+        lps = [win.next_token_logprobs(PROMPT)]
+        first = len(calls)
+        if idle:
+            win.prepare()
+            assert win.stats().background_done.get("free") == 1
+        win.slide(1)
+        if idle:
+            win.prepare()  # the survivors' re-conditioning, and their un-rotation after it
+        del calls[:]
+        lps.append(win.next_token_logprobs(PROMPT))
+    return first, len(calls), lps
+
+
+def test_a_formed_slots_position_free_kv_is_computed_off_the_answers_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slots a use's forward prefilled keep their KV position-free for later placements; the un-rotation
+    (``make_free``) runs after the answer, in idle time (a ``free`` task), or at the latest in the next call
+    that places them; with background work off, inside the use as before. The same arithmetic whenever it
+    runs: identical log-probs."""
+    idle = _make_free_calls("manual", True, monkeypatch)
+    cold = _make_free_calls("manual", False, monkeypatch)
+    off = _make_free_calls("off", False, monkeypatch)
+    assert idle[:2] == (0, 0), idle[:2]  # neither use un-rotated anything: idle time did
+    assert cold[0] == 0 and cold[1] > 0, cold[:2]  # the next use did, for the slots it places
+    assert off[0] == 2, off[:2]  # inside the use that formed them
+    assert all(torch.equal(a, b) for a, b in zip(idle[2], cold[2], strict=True))
