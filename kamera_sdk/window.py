@@ -477,8 +477,33 @@ class ContextWindow:
             except BaseException:
                 self._state.slots = before  # the orbit patches formed so far stay stored; the order does not change
                 raise
+        try:
+            self._compile_new_lead()
+        except BaseException:
+            self._state.slots = before
+            raise
         self._changed("reorder", t0)
         return order
+
+    def _compile_new_lead(self) -> None:
+        """After a reorder, with background work on: a lead whose canonical compile was deferred (it arrived
+        behind others) is compiled now, in the reorder, when the plan the next use would choose (priced as
+        that use prices it) serves it from the canonical. That use would run the compile first; run by the
+        operation that made it necessary, it no longer holds the answer's first token. It is decided from
+        the operations alone, and the use's choice stays the same (only the compile's cost leaves it)."""
+        if self.config.background == "off" or not self._state.slots:
+            return
+        lead = self._table.get(self._state.slots[0].chunk_id)
+        if not self._deferred(lead):
+            return
+        plan = self._cost_plan(self.policy.plan(self._view()), 0, count=False)
+        first = plan.slots[0]
+        if first.source not in FROM_CANONICAL or first.chunk.id != lead.id:
+            return
+        self._executor.canonical(lead)
+        self._uncompiled.discard(lead.id)
+        why = "lead compiled by the reorder: the next use serves it from its canonical"
+        self._stats.log(Decision(step=self._state.step, chunk=lead.label(), source="plan", reason=why))
 
     @foreground()
     def fork(self) -> ContextWindow:

@@ -382,3 +382,27 @@ def test_a_formed_slots_position_free_kv_is_computed_off_the_answers_path(monkey
     assert cold[0] == 0 and cold[1] > 0, cold[:2]  # the next use did, for the slots it places
     assert off[0] == 2, off[:2]  # inside the use that formed them
     assert all(torch.equal(a, b) for a, b in zip(idle[2], cold[2], strict=True))
+
+
+def test_a_reorder_compiles_a_new_lead_its_next_use_serves_from_the_canonical() -> None:
+    """A chunk added behind others (its canonical deferred) that a reorder puts in front is compiled by the
+    reorder when the next use's cheapest plan serves it from that canonical (here a long lead: one forward
+    of the whole window would score every token against every other): the question then runs one forward
+    over what sits behind it. A short lead is left to the fused re-prefill
+    (``test_a_lead_prefilled_in_front_is_served_from_its_own_kv``)."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
+    a, b = (win.add(random_ids(90, seed=70 + i)) for i in range(2))
+    win.next_token_logprobs(PROMPT)
+    c = win.add(random_ids(300, seed=72))
+    assert win.chunk(c).canonical is None
+    win.reorder([c, a, b])
+    assert win.chunk(c).canonical is not None
+    assert any(d.reason.startswith("lead compiled by the reorder") for d in win.stats().decisions)
+    before = win.stats()
+    lp = win.next_token_logprobs(PROMPT)
+    after = win.stats()
+    forwards = sum(after._work(w).forwards - before._work(w).forwards for w in _CRITICAL)
+    tokens = sum(after._work(w).tokens - before._work(w).tokens for w in _CRITICAL)
+    assert (forwards, tokens) == (1, 180 + len(PROMPT))
+    assert win.plan().slots[0].source.value == "lead"
+    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
