@@ -29,7 +29,7 @@ from .window_buffer import BufferedKV
 class ForwardResult:
     """KV of the new tokens (placed at their positions) and their logits."""
 
-    kv: KV  # (L, T_new, H, D), positions = the new tokens' positions
+    kv: KV  # (L, T_new, H, D), positions = the new tokens' positions; a copy the caller owns (never a view of a cache)
     logits: torch.Tensor  # (T_new, vocab) or (1, vocab) when only the last was asked for
     cache: DynamicCache  # the transformers cache after the forward (past + new), for decoding on
 

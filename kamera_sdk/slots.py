@@ -64,7 +64,8 @@ class FreeLater:
                 placed = self._placed
                 assert placed is not None
                 free = self._make_free(placed)
-                self._free = KV(free.keys, free.values.clone(), None, free.deltas)
+                deltas = None if free.deltas is None else free.deltas.clone()
+                self._free = KV(free.keys, free.values.clone(), None, deltas)
                 self._placed = None  # the forward's output is no longer held
             return self._free
 

@@ -59,6 +59,18 @@ def test_the_cache_reserve_is_filled_in_place_then_grows() -> None:
     assert torch.equal(more[:, :, : n + 3], before)
 
 
+def test_a_forwards_kv_is_a_copy_of_its_own() -> None:
+    """``ForwardResult.kv`` never shares memory with the cache (or a window buffer lent to it): a window keeps
+    views of it for its slots until it makes them position-free (``slots.FreeLater``)."""
+    engine = tiny_engine("llama")
+    parts, _ = _parts(engine, [4, 6])
+    res = engine.forward([11, 12, 13], parts, len(ANCHOR) + 10, logits="last")
+    own = {res.kv.keys.untyped_storage().data_ptr(), res.kv.values.untyped_storage().data_ptr()}
+    lent = {t.untyped_storage().data_ptr() for layer in res.cache.layers for t in (layer.keys, layer.values)}
+    lent |= {t.untyped_storage().data_ptr() for p in parts for t in (p.keys, p.values)}
+    assert not own & lent
+
+
 def test_decoding_after_a_forward_over_parts_matches_the_joined_past() -> None:
     engine = tiny_engine("llama")
     parts, ids = _parts(engine, [5, 9])
