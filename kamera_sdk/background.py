@@ -89,6 +89,10 @@ class BackgroundQueue:
         if task is not None:
             self.push(task)
 
+    def drop(self, kind: str, label: str) -> None:
+        """Drop the queued tasks of ``kind`` about ``label`` (a foreground call did their work)."""
+        self.tasks = [t for t in self.tasks if not (t.kind == kind and t.label == label)]
+
     def new_step(self) -> None:
         """A window operation happened: the budget starts again."""
         self.spent = 0

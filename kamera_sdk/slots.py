@@ -6,6 +6,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kamera_engine import KV, Patch
 
 from .chunks import Antecedent, ChunkId, PatchKind, StoredPatch
@@ -31,12 +33,13 @@ class PendingPatch:
 class FreeLater:
     """A slot's position-free KV, un-rotated from its placed KV on first use.
 
-    Un-rotating (``Engine.make_free``: one exact float64 rotation per key, and a copy of the values that
-    frees them from the forward's output) is not needed for the answer of the use that formed the KV, only
-    for the window's next placement of it. So the window holds the placed KV and does this in idle time
-    (``ContextWindow.prepare``) or, at the latest, in whichever call reads ``Slot.kv`` first: the same
-    arithmetic either way, so the bits do not depend on when it ran. Forks share the holder, and the first
-    reader computes it once (under a lock, for background threads).
+    Un-rotating (``Engine.make_free``: one exact float64 rotation per key, and a copy of whatever it leaves
+    pointing into the forward's output: the values, or the keys of a model that rotates its values) is not
+    needed for the answer of the use that formed the KV, only for the window's next placement of it. So the
+    window holds the placed KV and does this in idle time (``ContextWindow.prepare``) or, at the latest, in
+    whichever call reads ``Slot.kv`` first: the same arithmetic either way, so the bits do not depend on
+    when it ran. Forks share the holder, and the first reader computes it once (under a lock, for
+    background threads).
     """
 
     __slots__ = ("_free", "_lock", "_make_free", "_placed")
@@ -64,8 +67,13 @@ class FreeLater:
                 placed = self._placed
                 assert placed is not None
                 free = self._make_free(placed)
+                held = {t.untyped_storage().data_ptr() for t in (placed.keys, placed.values)}
+
+                def own(t: torch.Tensor) -> torch.Tensor:  # a copy of what still points into the forward's output
+                    return t.clone() if t.untyped_storage().data_ptr() in held else t
+
                 deltas = None if free.deltas is None else free.deltas.clone()
-                self._free = KV(free.keys, free.values.clone(), None, deltas)
+                self._free = KV(own(free.keys), own(free.values), None, deltas)
                 self._placed = None  # the forward's output is no longer held
             return self._free
 

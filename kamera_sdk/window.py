@@ -51,7 +51,7 @@ from .plan import Plan, SlotPlan, Source
 from .plan_cost import FROM_CANONICAL, CostModel, choose
 from .policies import ReusePolicy, WindowView, make_policy
 from .policies.kamera import dropped_run
-from .slots import PendingPatch, Slot
+from .slots import FreeLater, PendingPatch, Slot
 from .splitting import split_text
 from .stats import Decision, WindowStats, Work
 from .store import ChunkStore, default_store_path, open_store
@@ -477,31 +477,39 @@ class ContextWindow:
             except BaseException:
                 self._state.slots = before  # the orbit patches formed so far stay stored; the order does not change
                 raise
-        try:
-            self._compile_new_lead()
-        except BaseException:
-            self._state.slots = before
-            raise
+        self._compile_new_lead()
         self._changed("reorder", t0)
         return order
 
     def _compile_new_lead(self) -> None:
         """After a reorder, with background work on: a lead whose canonical compile was deferred (it arrived
-        behind others) is compiled now, in the reorder, when the plan the next use would choose (priced as
-        that use prices it) serves it from the canonical. That use would run the compile first; run by the
-        operation that made it necessary, it no longer holds the answer's first token. It is decided from
-        the operations alone, and the use's choice stays the same (only the compile's cost leaves it)."""
+        behind others) is compiled now, in the reorder, when the plan the next use would choose serves it
+        from the canonical (priced with no prompt: a prompt rides in the plans' last forward and never makes
+        the fused re-prefill relatively cheaper). That use would run the compile first; run by the operation
+        that made it necessary, it no longer holds the answer's first token. It is decided from the
+        operations alone (the set-aside patches a plan may use are formed first, as the use does), and the
+        use's choice stays the same (only the compile's cost leaves its estimate). A failure here is logged
+        and leaves the compile to the use."""
         if self.config.background == "off" or not self._state.slots:
             return
         lead = self._table.get(self._state.slots[0].chunk_id)
         if not self._deferred(lead):
             return
-        plan = self._cost_plan(self.policy.plan(self._view()), 0, count=False)
-        first = plan.slots[0]
-        if first.source not in FROM_CANONICAL or first.chunk.id != lead.id:
+        try:
+            self._flush_stale()  # what the use does before it plans, so the plan is the one it will see
+            self._form_orphans_for_plan()
+            plan = self._cost_plan(self.policy.plan(self._view()), 0, count=False)
+            first = plan.slots[0]
+            if first.source not in FROM_CANONICAL or first.chunk.id != lead.id:
+                return
+            self._executor.canonical(lead)
+        except Exception as exc:  # optional: the use compiles it itself (the same plan, the same answer)
+            why = f"lead compile at the reorder failed, left to the use: {exc}"
+            log.warning("window: %s", why)
+            self._stats.log(Decision(step=self._state.step, chunk=lead.label(), source="plan", reason=why))
             return
-        self._executor.canonical(lead)
         self._uncompiled.discard(lead.id)
+        self._queue.drop("canonical", lead.label())
         why = "lead compiled by the reorder: the next use serves it from its canonical"
         self._stats.log(Decision(step=self._state.step, chunk=lead.label(), source="plan", reason=why))
 
@@ -929,16 +937,19 @@ class ContextWindow:
 
     def _queue_free(self) -> None:
         """Slots a forward just formed hold their placed KV (``slots.FreeLater``): made position-free in
-        idle time, before the next use places them."""
-        waiting = [s for s in self._state.slots if s.free_later is not None]
-        if waiting:
-            value = float(sum(len(self._table.get(s.chunk_id)) for s in waiting))
+        idle time, before the next use places them (and those set aside with a pending patch, so none keeps
+        the forward's whole output alive until its patch is formed)."""
+        if self._waiting_free():
+            value = float(sum(len(self._table.get(s.chunk_id)) for s in self._state.slots if s.free_later))
             self._push(Task("free", "*", Phase.LATENCY, value, 0, self._make_free))
 
+    def _waiting_free(self) -> list[FreeLater]:
+        held = [s.free_later for s in self._state.slots] + [kv for _, kv, _ in self._executor.orphans]
+        return [h for h in held if isinstance(h, FreeLater) and not h.ready]
+
     def _make_free(self) -> None:
-        for slot in self._state.slots:
-            if (held := slot.free_later) is not None:
-                held.get()
+        for held in self._waiting_free():
+            held.get()
 
     def _form_leaving(self, chunk_id: ChunkId | None = None) -> int:
         """Form, now, the queued patches of slots that left the window (of ``chunk_id``, or all)."""

@@ -94,3 +94,20 @@ def test_without_the_capability_relocation_rotates_the_wrong_slot(
     at_target = e.forward(IDS, None, 900, logits="none").kv
     moved = e.relocate(at_0, 900)
     assert (moved.values - at_target.values).abs().max() > 1e-2  # the band was not rotated
+
+
+def test_a_slots_position_free_kv_keeps_nothing_of_the_forwards_output(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``slots.FreeLater`` copies whatever ``make_free`` leaves pointing into the forward's output: here the keys
+    (the latent, which carries no position), where a plain model's are rotated into a new tensor."""
+    from kamera_sdk.slots import FreeLater
+
+    e = _engine(model, TextMLAAdapter, monkeypatch)
+    out = e.forward(IDS, e.anchor_kv, 3, logits="none").kv
+    placed = out.slice(4, 12)
+    free = FreeLater(placed, e.make_free).get()
+    forward = {out.keys.untyped_storage().data_ptr(), out.values.untyped_storage().data_ptr()}
+    assert not {free.keys.untyped_storage().data_ptr(), free.values.untyped_storage().data_ptr()} & forward
+    expect = e.make_free(placed)
+    assert torch.equal(free.keys, expect.keys) and torch.equal(free.values, expect.values)
