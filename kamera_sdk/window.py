@@ -41,6 +41,7 @@ from .chunks import VISION_KINDS, Antecedent, Chunk, ChunkId, ChunkTable, PatchK
 from .compress import CompressionPolicy, make_compressor
 from .compress.runner import Compressed, decode_compressed, prefill_compressed
 from .config import WindowConfig
+from .envelope import judge
 from .executor import Execution, Executor
 from .graph import DependencyGraph
 from .metering import EngineMeter
@@ -49,7 +50,7 @@ from .placement import best_order
 from .plan import Plan, SlotPlan, Source
 from .plan_cost import FROM_CANONICAL, CostModel, choose
 from .policies import ReusePolicy, WindowView, make_policy
-from .policies.kamera import dropped_run, reusable
+from .policies.kamera import dropped_run
 from .slots import FreeLater, PendingPatch, Slot
 from .splitting import split_text
 from .stats import Decision, WindowStats, Work
@@ -179,7 +180,6 @@ class ContextWindow:
         #: cost model counts their compile; an older one it expects idle time to have compiled
         self._deferred_since_use: set[ChunkId] = set(getattr(self, "_deferred_since_use", ()))
         self._leaving: set[ChunkId] = set()  # chunks that left with a patch to form (it compiles their canonical)
-        self._leaving_patch: dict[ChunkId, tuple[Chunk, Slot, PendingPatch]] = {}  # their queued patches
         self.cost_model = getattr(self, "cost_model", CostModel())
         self._depth = 0  # foreground calls of this branch in progress (they nest: admit -> recall -> slide)
         self._worker: IdleWorker | None = None
@@ -418,7 +418,7 @@ class ContextWindow:
         if pos is None or not 0 <= pos <= len(self._state.slots):
             raise InvalidInputError(f"recall position must be an int in [0, {len(self._state.slots)}], got {at!r}")
         t0 = time.perf_counter()
-        self._recall_leaving(chunk_id, tuple(s.chunk_id for s in self._state.slots[:pos]))
+        self._form_leaving(chunk_id)  # its patch from when it left, if idle time has not formed it yet
         self._state.evicted.remove(chunk_id)
         self._state.slots.insert(pos, Slot(chunk_id, recalled=True))
         self._pin(chunk_id)
@@ -929,7 +929,6 @@ class ContextWindow:
             task = Task("leaving", chunk.label(), Phase.LATENCY, float(len(chunk)), tokens, run, chunk=chunk.id)
             self._push(task, replace=False)
             self._leaving.add(chunk.id)
-            self._leaving_patch[chunk.id] = (chunk, slot, pending)
 
     def _form_left(self, chunk: Chunk, slot: Slot, pending: PendingPatch) -> None:
         kv = slot.kv  # read when the task runs: a position-free KV still to compute is computed there
@@ -960,31 +959,7 @@ class ContextWindow:
         done = set(self._leaving) if chunk_id is None else self._leaving & {chunk_id}
         self._uncompiled -= done  # formed now or in idle time: either way their canonicals are compiled
         self._leaving -= done
-        for cid in done:
-            self._leaving_patch.pop(cid, None)
         return len(tasks)
-
-    def _recall_leaving(self, chunk_id: ChunkId, ante: Antecedent) -> None:
-        """The patch a recalled chunk left with, if idle time has not formed it: formed now when a plan could
-        use it where the chunk comes back (``ante``; ``policies.kamera.reusable``), as the idle time's would
-        be; else set aside like a use's (``executor.orphans``: formed in idle time, or before a later plan
-        that could use it) instead of compiling the chunk's canonical on the recall's path, which the
-        recall's own forward (a fresh patch on its new context) does not need. Either way the chunk counts as
-        compiled from here on, whatever idle time reached, so plans stay independent of timing."""
-        item = self._leaving_patch.get(chunk_id)
-        tasks = [t for t in self._queue.tasks if t.kind == "leaving" and t.chunk == chunk_id]
-        if item is None or not tasks or reusable(item[2].antecedent, ante, self.config.envelope, fresh_only=True):
-            self._form_leaving(chunk_id)
-            return
-        chunk, slot, pending = item
-        for task in tasks:
-            self._queue.take(task)
-        self._executor.orphans.append((chunk, slot.held, pending))
-        self._uncompiled.discard(chunk_id)
-        self._leaving.discard(chunk_id)
-        del self._leaving_patch[chunk_id]
-        why = "its patch from when it left is set aside: no plan can use it where it comes back"
-        self._stats.log(Decision(step=self._state.step, chunk=chunk.label(), source="background", reason=why))
 
     def _flush(self, slots: list[Slot]) -> int:
         return self._executor.form_slot_patches(self._state.slots, slots)
@@ -1209,27 +1184,25 @@ class ContextWindow:
         for idle time; so does one ``_held`` back. With ``everything``, none waits."""
         if not self._executor.orphans:
             return
-        # chunk -> (its antecedent now, whether only a patch formed on exactly that is looked up, whether only one
-        # formed on the same set is: a chunk with no conditioning in the window); absent: none is looked up
-        where: dict[ChunkId, tuple[Antecedent, bool, bool]] = {}
+        # chunk -> (its antecedent now, whether only a patch formed on exactly that is looked up); absent: none
+        where: dict[ChunkId, tuple[Antecedent, bool]] = {}
         graph, slots = self._state.graph, self._state.slots
         for i, (slot, _, _, ante) in enumerate(self._view().layout()):
             behind = frozenset(s.chunk_id for s in slots[i + 1 :])
             own = slot.materialised() and not (slot.absorbed & behind) and not graph.is_stale(slot.chunk_id)
             if i == 0 or (own and slot.antecedent == ante):
                 continue
-            exact_only = own and dropped_run(slot.antecedent or (), ante)  # a survivor
-            where[slot.chunk_id] = (ante, exact_only, not slot.materialised())
+            where[slot.chunk_id] = (ante, own and dropped_run(slot.antecedent or (), ante))  # a survivor: exact only
 
         def wait(chunk: Chunk, pending: PendingPatch) -> bool:
             if everything:
                 return False
             if self._held(chunk, pending) or chunk.id not in where:
                 return True
-            ante, exact_only, fresh_only = where[chunk.id]
+            ante, exact_only = where[chunk.id]
             if exact_only:
                 return pending.antecedent != ante
-            return not reusable(pending.antecedent, ante, self.config.envelope, fresh_only=fresh_only)
+            return not judge(pending.antecedent, ante, self.config.envelope).reuse
 
         self._executor.form_orphans(wait=wait)
 

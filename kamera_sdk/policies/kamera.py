@@ -19,20 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..chunks import Antecedent, Chunk, PatchKind, StoredPatch
-from ..envelope import EnvelopeConfig, judge
+from ..envelope import judge
 from ..plan import Plan, SlotPlan, Source
 from ..slots import Slot
 from .base import ReusePolicy, WindowView, register_policy
 
 _KIND_RANK = {PatchKind.ORBIT: 0, PatchKind.FRESH: 1, PatchKind.EXACT: 2, PatchKind.REMOVAL: 2}
-
-
-def reusable(formed_on: Antecedent, current: Antecedent, envelope: EnvelopeConfig, *, fresh_only: bool) -> bool:
-    """Whether a stored patch formed on ``formed_on`` may serve a chunk whose antecedent is ``current``: within
-    the safety envelope and, for a chunk with no conditioning in the window (new or recalled,
-    ``fresh_only``), formed on this same set (a patch frozen at eviction is stale)."""
-    verdict = judge(formed_on, current, envelope)
-    return verdict.reuse and (not fresh_only or verdict.relation in ("identical", "reordered"))
 
 
 def dropped_run(formed_on: Antecedent, current: Antecedent) -> bool:
@@ -160,9 +152,11 @@ class KameraPolicy(ReusePolicy):
         for p in chunk.patches:
             if not _usable(p, view) or behind & p.carried:
                 continue
-            if not reusable(p.antecedent, ante, view.config.envelope, fresh_only=recalled):
-                continue
             verdict = judge(p.antecedent, ante, view.config.envelope)
+            if not verdict.reuse:
+                continue
+            if recalled and verdict.relation not in ("identical", "reordered"):
+                continue  # recall: only a patch formed on this same set is fresh
             order = (0 if verdict.relation == "identical" else 1, _KIND_RANK.get(p.kind, 3))
             if best is None or order < best[0]:
                 best = (order, p)

@@ -406,14 +406,3 @@ def test_a_reorder_compiles_a_new_lead_its_next_use_serves_from_the_canonical() 
     assert (forwards, tokens) == (1, 180 + len(PROMPT))
     assert win.plan().slots[0].source.value == "lead"
     assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
-
-
-def test_a_recalled_chunks_old_patch_waits_when_no_plan_can_use_it() -> None:
-    """A chunk evicted with its patch still to form, recalled where that patch cannot serve it (the chunk in
-    front of it when it left is gone): the recall sets the patch aside instead of compiling the chunk's
-    canonical to form it, and the step costs the recalled chunk's forward and the prompt (found by the
-    property test above: it cost one token more than recompute's build)."""
-    ops = [("add", 0), ("add", 1), ("add", 2), ("evict", 2), ("evict", 0), ("recall", 0)]
-    kam = _critical(_ENGINE, "kamera", WindowConfig(rank=4, background="manual"), ops)
-    rec = _critical(_ENGINE, "recompute", None, ops)
-    assert kam[-1] == 8 + len(PROMPT) and all(k <= r for k, r in zip(kam, rec, strict=True)), (kam, rec)
