@@ -59,7 +59,7 @@ class Task:
     tokens: int  # tokens its forward runs (0: no forward), counted against the budget
     run: Callable[[], None]
     seq: int = 0
-    chunk: str | None = None  # the chunk it is about, when one (a leaving slot's patch is found by it)
+    chunk: str | None = None  # the chunk it is about, when one (a leaving patch, a canonical: found by it)
 
     @property
     def required(self) -> bool:
@@ -89,9 +89,9 @@ class BackgroundQueue:
         if task is not None:
             self.push(task)
 
-    def drop(self, kind: str, label: str) -> None:
-        """Drop the queued tasks of ``kind`` about ``label`` (a foreground call did their work)."""
-        self.tasks = [t for t in self.tasks if not (t.kind == kind and t.label == label)]
+    def drop(self, kind: str, chunk: str) -> None:
+        """Drop the queued tasks of ``kind`` about ``chunk`` (an id: a foreground call did their work)."""
+        self.tasks = [t for t in self.tasks if not (t.kind == kind and t.chunk == chunk)]
 
     def new_step(self) -> None:
         """A window operation happened: the budget starts again."""

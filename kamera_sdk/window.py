@@ -509,7 +509,7 @@ class ContextWindow:
             self._stats.log(Decision(step=self._state.step, chunk=lead.label(), source="plan", reason=why))
             return
         self._uncompiled.discard(lead.id)
-        self._queue.drop("canonical", lead.label())
+        self._queue.drop("canonical", lead.id)
         why = "lead compiled by the reorder: the next use serves it from its canonical"
         self._stats.log(Decision(step=self._state.step, chunk=lead.label(), source="plan", reason=why))
 
@@ -823,7 +823,8 @@ class ContextWindow:
         self._uncompiled.add(chunk.id)
         self._deferred_since_use.add(chunk.id)
         run = functools.partial(self._executor.canonical, chunk)
-        self._push(Task("canonical", chunk.label(), Phase.LATENCY, value, len(chunk), run), replace=False)
+        task = Task("canonical", chunk.label(), Phase.LATENCY, value, len(chunk), run, chunk=chunk.id)
+        self._push(task, replace=False)
 
     def _queue_patches(self) -> None:
         orphans = len(self._executor.orphans)

@@ -407,3 +407,17 @@ def test_a_reorder_compiles_a_new_lead_its_next_use_serves_from_the_canonical() 
     assert (forwards, tokens) == (1, 180 + len(PROMPT))
     assert win.plan().slots[0].source.value == "lead"
     assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+
+
+def test_a_reorders_compile_drops_the_queued_canonical_task() -> None:
+    """The reorder compiled the lead's canonical: its queued ``canonical`` task goes (it would spend budget on
+    nothing), the other chunks' stay."""
+    win = ContextWindow(_ENGINE, config=WindowConfig(rank=4, background="manual"))
+    a, b = (win.add(random_ids(90, seed=70 + i)) for i in range(2))
+    win.next_token_logprobs(PROMPT)
+    c, d = win.add(random_ids(300, seed=72)), win.add(random_ids(20, seed=73))
+    queued = {t.chunk for t in win._queue.tasks if t.kind == "canonical"}
+    assert {c, d} <= queued
+    win.reorder([c, a, b, d])
+    assert win.chunk(c).canonical is not None
+    assert {t.chunk for t in win._queue.tasks if t.kind == "canonical"} == queued - {c}
