@@ -32,7 +32,7 @@ from .graph import DependencyGraph
 from .metering import EngineMeter
 from .persistence import Persistence
 from .plan import Plan, SlotPlan, Source
-from .slots import FreeLater, PendingPatch, Slot
+from .slots import FreeLater, PendingPatch, Slot, resolve
 from .stats import Decision, Work
 
 log = logging.getLogger("kamera.window")
@@ -322,7 +322,7 @@ class Executor:
         if formed and keep_slot_kv:
             free = FreeLater(kv, self.engine.make_free)
             if self.config.background == "off":
-                free.get()
+                free = free.get()  # the window as before: the slot holds its position-free KV
         pending = None
         absorbed = self._absorbed(sp, slot, prior)
         if formed and sp.form_patch:
@@ -429,7 +429,7 @@ class Executor:
                 continue
             new = pending.stored is None
             try:
-                self.form_pending(chunk, kv.get() if isinstance(kv, FreeLater) else kv, pending)
+                self.form_pending(chunk, resolve(kv), pending)
             except Exception as exc:
                 self.orphans[:0] = kept
                 if raise_errors:

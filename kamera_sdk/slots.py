@@ -78,6 +78,11 @@ class FreeLater:
             return self._free
 
 
+def resolve(held: KV | FreeLater | None) -> KV | None:
+    """The position-free KV ``held`` stands for (computing a ``FreeLater``'s on first use)."""
+    return held.get() if isinstance(held, FreeLater) else held
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """A chunk in the window and its materialised KV.
@@ -103,8 +108,7 @@ class Slot:
 
     @property
     def kv(self) -> KV | None:
-        held = self.held
-        return held.get() if isinstance(held, FreeLater) else held
+        return resolve(self.held)
 
     @property
     def has_kv(self) -> bool:

@@ -496,10 +496,7 @@ class ContextWindow:
         if not self._deferred(lead):
             return
         try:
-            self._flush_stale()  # what the use does before it plans, so the plan is the one it will see
-            self._form_orphans_for_plan()
-            plan = self._cost_plan(self.policy.plan(self._view()), 0, count=False)
-            first = plan.slots[0]
+            first = self._next_plan().slots[0]
             if first.source not in FROM_CANONICAL or first.chunk.id != lead.id:
                 return
             self._executor.canonical(lead)
@@ -529,6 +526,10 @@ class ContextWindow:
     def plan(self) -> Plan:
         """The plan the next use would execute (no forward pass is run; pending patches that the plan
         needs are formed)."""
+        return self._next_plan()
+
+    def _next_plan(self) -> Plan:
+        """The plan the next use would execute, priced with no prompt (the patches it may use formed first)."""
         self._flush_stale()
         self._form_orphans_for_plan()
         return self._cost_plan(self.policy.plan(self._view()), 0, count=False)
