@@ -277,6 +277,15 @@ def serve_plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         rows = [result["sessions"][str(n)][mode] for n in counts]
         left.plot(counts, [r["tokens_per_s"] for r in rows], "o-", label=label)
         right.plot(counts, [r["p95_s"] for r in rows], "o-", label=label)
+    bound = result.get("ceiling", {}).get("round_ratio", {})  # absent in runs before the round ceiling
+    if bound:
+        shown = [n for n in counts if str(n) in bound]
+        left.plot(
+            shown,
+            [result["sessions"][str(n)]["sequential"]["tokens_per_s"] * bound[str(n)] for n in shown],
+            "k:",
+            label="one at a time x round ceiling",
+        )
     for ax, what in ((left, "answer tokens / s"), (right, "p95 answer latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts, [str(n) for n in counts])

@@ -3,7 +3,8 @@
 The engine is served on loopback twice (``create_app(engine, batch=True)`` and ``batch=False``); for N
 in 1, 8, 32 concurrent sessions, each session runs an agent-like loop per round: add a page (a tool
 result of about 56 tokens), ask for a one-sentence answer about it (streamed, ``max_new_tokens`` 48, or
-32 with ``quick``), then slide the oldest page out once the window holds three. Per mode and N:
+32 with ``quick``), then slide the oldest page out once the window holds three; 6 rounds (4 with
+``quick``), so that from the fourth round on every ask follows a slide. Per mode and N:
 tokens/s and requests/s over the run, TTFT and latency p50/p95 of the answers, mean answer length, the
 process's peak RSS and, batched, the scheduler's batch sizes, window forwards batched (and how many
 sessions' window forwards shared a step) or run alone, and peak KV bytes.
@@ -11,7 +12,10 @@ sessions' window forwards shared a step) or run alone, and peak KV bytes.
 The run also measures the ceiling batching has on this machine (``ceiling``): one decode step of 1, 8
 and 32 rows against one row (the decode-only speedup; rows in a decode slab as the scheduler runs them,
 and with per-row attention for comparison), and a page-sized prefill against a decode step (prefill is
-compute-bound: its cost grows with its tokens and a batch does not make it cheaper).
+compute-bound: its cost grows with its tokens and a batch does not make it cheaper), and one round of the
+loop batched perfectly against one session after another (``round_ceiling``): the most any scheduler
+could gain on this machine for this loop, so a run's ratio can be read against it
+(``round_ratio_reached``).
 """
 
 from __future__ import annotations
@@ -218,9 +222,101 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
     }
 
 
+def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
+    """The forwards of the loop's steady-state round as a window runs them, read off the engine's
+    counters around one session's calls (rounds of the loop until a slide has happened): the page's
+    compile (``page_tokens``, behind the anchor's ``anchor_tokens``) and the ask's forward (``ask_tokens``: the new page again with the question, behind the anchor and
+    the ``held - 1`` pages before it, ``window_tokens``)."""
+    from ..window import ContextWindow
+
+    def tokens(call: Any) -> tuple[int, int]:
+        before = engine.counters.model_copy()
+        call()
+        return engine.counters.forwards - before.forwards, engine.counters.tokens_prefilled - before.tokens_prefilled
+
+    with ContextWindow(engine) as win:
+        page = ask = (0, 0)
+        for step in range(held + 1):
+            page = tokens(lambda s=step: win.add_text(_page(0, s)))
+            ask = tokens(lambda s=step: win.generate(_question(0, s), max_new_tokens=1))
+            if len(win.chunks) >= held:
+                win.slide(1)
+    if page[0] != 1 or ask[0] != 1:
+        raise RuntimeError(f"the loop's round is not one page compile and one ask forward: add {page}, ask {ask}")
+    anchor = len(engine.anchor_kv)
+    return {
+        "anchor_tokens": anchor,
+        "page_tokens": page[1],
+        "ask_tokens": ask[1],
+        "window_tokens": anchor + (held - 1) * page[1],
+    }
+
+
+def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *, repeat: int = 2) -> dict[str, Any]:
+    """What perfect batching of the loop would gain on this machine: one steady-state round of N sessions
+    (each: its page's compile, its ask's forward, an answer of ``answer_tokens``) with every session's
+    forwards packed into one forward and every decode step holding all N rows, against the same round
+    one session after another (``Engine.forward`` and the decode loop's single steps, as the one-at-a-time
+    server runs them). Synthetic token ids of the loop's own lengths (``_round_shape``); no scheduler, no
+    HTTP, no window planning: an upper bound on ``throughput_ratio`` for this loop, not a target. Each
+    figure is the best of ``repeat`` runs after one warm-up of the single session's round."""
+    from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
+    from kamera_engine.decode import step_logits
+
+    shape = _round_shape(engine)
+    a, w = shape["anchor_tokens"], shape["window_tokens"]
+    vocab = engine.vocab_size
+
+    def ids(n: int, seed: int) -> list[int]:
+        return [(1000 + 7919 * seed + 31 * t) % vocab for t in range(n)]
+
+    anchor = engine.forward(ids(a, 0), None, 0, logits="none").kv
+    window = engine.forward(ids(w, 1), None, 0, logits="none").kv
+    steps = max(answer_tokens - 1, 0)  # the first token comes from the ask's logits
+
+    def one_session() -> None:
+        engine.forward(ids(shape["page_tokens"], 2), anchor, a, logits="none")
+        res = engine.forward(ids(shape["ask_tokens"], 3), window, w, logits="last")
+        pos = w + shape["ask_tokens"]
+        for k in range(steps):
+            step_logits(engine.model, res.cache, 5, pos + k, engine.device)
+
+    def batched(n: int) -> None:
+        pages = [RowCache.from_past(anchor, engine.num_layers, reserve=shape["page_tokens"]) for _ in range(n)]
+        batched_forward(
+            engine.model, [Row.at(c, ids(shape["page_tokens"], 10 + i), a, logits="none") for i, c in enumerate(pages)]
+        )
+        asks = [RowCache.from_past(window, engine.num_layers, reserve=shape["ask_tokens"] + steps) for _ in range(n)]
+        batched_forward(engine.model, [Row.at(c, ids(shape["ask_tokens"], 50 + i), w) for i, c in enumerate(asks)])
+        slab = DecodeSlab()
+        pos = w + shape["ask_tokens"]
+        for c in asks:
+            slab.admit(c, pos + steps)
+        for k in range(steps):
+            batched_forward(engine.model, [Row.at(c, [5], pos + k) for c in asks])
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    one_session()  # warm
+    single = best(one_session)
+    seconds = {str(n): {"batched": best(lambda n=n: batched(n)), "sequential": n * single} for n in counts if n > 1}
+    return {
+        "round_shape": {**shape, "answer_tokens": answer_tokens},
+        "round_s": seconds,
+        "round_ratio": {n: s["sequential"] / s["batched"] for n, s in seconds.items()},
+    }
+
+
 def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
     """Batched vs one-at-a-time over ``counts`` concurrent sessions (``quick``: fewer rounds, shorter answers)."""
-    rounds, max_new = (2, 32) if quick else (3, 48)
+    # rounds: from the fourth on, every ask follows a slide (the loop's steady state: three pages held)
+    rounds, max_new = (4, 32) if quick else (6, 48)
     load_before = os.getloadavg()
     sessions: dict[str, dict[str, Any]] = {}
     ratio: dict[str, float] = {}
@@ -247,11 +343,15 @@ def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8,
         sessions[str(n)] = row
         seq = row["sequential"]["tokens_per_s"]
         ratio[str(n)] = row["batched"]["tokens_per_s"] / seq if seq else 0.0
-    print("serve: ceiling (decode rows vs one, prefill vs decode)", file=sys.stderr)
+    print("serve: ceiling (decode rows vs one, prefill vs decode, a round perfectly batched)", file=sys.stderr)
+    answered = [arm["answer_tokens_mean"] for row in sessions.values() for arm in row.values() if arm["answers"]]
+    answer_tokens = max(1, round(statistics.fmean(answered))) if answered else max_new
+    bound = round_ceiling(engine, counts, answer_tokens)
+    reached = {n: ratio[n] / r for n, r in bound["round_ratio"].items()}
     return {
         "sessions": sessions,
         "throughput_ratio": ratio,
-        "ceiling": ceiling(engine),
+        "ceiling": {**ceiling(engine), **bound, "round_ratio_reached": reached},
         "rounds": rounds,
         "max_new_tokens": max_new,
         "load_avg_before": list(load_before),

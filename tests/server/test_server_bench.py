@@ -22,6 +22,16 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
     assert result["sessions"]["3"]["batched"]["batch_max"] >= 2
     ceiling = result["ceiling"]
     assert set(ceiling["decode_step_s"]) == {"1", "8", "32"} and ceiling["decode_speedup"]["1"] == 1.0
+    # the round ceiling: the loop's own forwards (a page's compile, the ask's forward behind the anchor and
+    # two pages), for every count above one, read against the measured ratio
+    shape = ceiling["round_shape"]
+    assert shape["ask_tokens"] > shape["page_tokens"] > 0 and shape["anchor_tokens"] > 0
+    assert shape["window_tokens"] == shape["anchor_tokens"] + 2 * shape["page_tokens"]
+    assert shape["answer_tokens"] >= 1
+    assert set(ceiling["round_ratio"]) == set(ceiling["round_s"]) == set(ceiling["round_ratio_reached"]) == {"3"}
+    seconds = ceiling["round_s"]["3"]
+    assert ceiling["round_ratio"]["3"] == seconds["sequential"] / seconds["batched"] > 0
+    assert ceiling["round_ratio_reached"]["3"] == result["throughput_ratio"]["3"] / ceiling["round_ratio"]["3"]
     from kamera_sdk.bench.plots import serve_plot
 
     (path,) = serve_plot(result, tmp_path)
