@@ -225,8 +225,9 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
 def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
     """The forwards of the loop's steady-state round as a window runs them, read off the engine's
     counters around one session's calls (rounds of the loop until a slide has happened): the page's
-    compile (``page_tokens``, behind the anchor's ``anchor_tokens``) and the ask's forward (``ask_tokens``: the new page again with the question, behind the anchor and
-    the ``held - 1`` pages before it, ``window_tokens``)."""
+    compile (``page_tokens``, behind the anchor's ``anchor_tokens``) and the ask's forward (``ask_tokens``:
+    the new page again with the question, behind the anchor and the ``held - 1`` pages before it,
+    ``window_tokens``)."""
     from ..window import ContextWindow
 
     def tokens(call: Any) -> tuple[int, int]:
