@@ -162,6 +162,18 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _best(fn: Any, repeat: int) -> float:
+    """Seconds of ``fn``'s fastest of ``repeat`` timed runs after one warm-up run (a shared machine's noise
+    only ever adds time)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, repeat: int = 5) -> dict[str, Any]:
     """What batching can gain on this machine: seconds of one decode step of 1, 8 and 32 rows (each row a
     window of ``past_tokens``) with the rows in a decode slab as the scheduler runs them, the same with each
@@ -176,13 +188,7 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
     past = engine.forward(ids, None, 0, logits="none").kv
 
     def best(fn: Any) -> float:
-        fn()  # warm
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return _best(fn, repeat)
 
     def decode_step(b: int, slabbed: bool) -> float:
         caches = [RowCache.from_past(past, engine.num_layers, reserve=2) for _ in range(b)]
@@ -231,9 +237,10 @@ def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
     from ..window import ContextWindow
 
     def tokens(call: Any) -> tuple[int, int]:
-        before = engine.counters.model_copy()
+        counters = engine.thread_counters  # this thread's calls only: a server thread may still be closing
+        forwards, prefilled = counters.forwards, counters.tokens_prefilled
         call()
-        return engine.counters.forwards - before.forwards, engine.counters.tokens_prefilled - before.tokens_prefilled
+        return counters.forwards - forwards, counters.tokens_prefilled - prefilled
 
     with ContextWindow(engine) as win:
         page = ask = (0, 0)
@@ -254,13 +261,17 @@ def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
 
 
 def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *, repeat: int = 2) -> dict[str, Any]:
-    """What perfect batching of the loop would gain on this machine: one steady-state round of N sessions
-    (each: its page's compile, its ask's forward, an answer of ``answer_tokens``) with every session's
-    forwards packed into one forward and every decode step holding all N rows, against the same round
-    one session after another (``Engine.forward`` and the decode loop's single steps, as the one-at-a-time
-    server runs them). Synthetic token ids of the loop's own lengths (``_round_shape``); no scheduler, no
-    HTTP, no window planning: an upper bound on ``throughput_ratio`` for this loop, not a target. Each
-    figure is the best of ``repeat`` runs after one warm-up of the single session's round."""
+    """What perfect batching of the loop's forwards would gain on this machine: one steady-state round of
+    N sessions (each: its page's compile, its ask's forward, an answer of ``answer_tokens``) with every
+    session's page in one packed forward, every ask in one and every decode step holding all N rows,
+    against N times one session's round (``Engine.forward`` and the decode loop's single steps, as the
+    one-at-a-time server runs them). Synthetic token ids of the loop's own lengths (``_round_shape``).
+    Forwards only: no scheduler, no HTTP, no window planning or patch forming (which the one-at-a-time
+    server runs between its forwards and a batched one can overlap on another core), so it is the
+    forwards' bound on ``throughput_ratio`` for this loop, not a target. Each figure is the best of
+    ``repeat`` runs after a warm-up run."""
+    import torch
+
     from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
     from kamera_engine.decode import step_logits
 
@@ -271,10 +282,11 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
     def ids(n: int, seed: int) -> list[int]:
         return [(1000 + 7919 * seed + 31 * t) % vocab for t in range(n)]
 
-    anchor = engine.forward(ids(a, 0), None, 0, logits="none").kv
+    anchor = engine.forward(ids(a, 0), None, 0, logits="none").kv if a else None
     window = engine.forward(ids(w, 1), None, 0, logits="none").kv
     steps = max(answer_tokens - 1, 0)  # the first token comes from the ask's logits
 
+    @torch.inference_mode()  # as the decode loop runs its steps (no autograd graph across them)
     def one_session() -> None:
         engine.forward(ids(shape["page_tokens"], 2), anchor, a, logits="none")
         res = engine.forward(ids(shape["ask_tokens"], 3), window, w, logits="last")
@@ -282,6 +294,7 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
         for k in range(steps):
             step_logits(engine.model, res.cache, 5, pos + k, engine.device)
 
+    @torch.inference_mode()
     def batched(n: int) -> None:
         pages = [RowCache.from_past(anchor, engine.num_layers, reserve=shape["page_tokens"]) for _ in range(n)]
         batched_forward(
@@ -296,17 +309,10 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
         for k in range(steps):
             batched_forward(engine.model, [Row.at(c, [5], pos + k) for c in asks])
 
-    def best(fn: Any) -> float:
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    one_session()  # warm
-    single = best(one_session)
-    seconds = {str(n): {"batched": best(lambda n=n: batched(n)), "sequential": n * single} for n in counts if n > 1}
+    single = _best(one_session, repeat)
+    seconds = {
+        str(n): {"batched": _best(lambda n=n: batched(n), repeat), "sequential": n * single} for n in counts if n > 1
+    }
     return {
         "round_shape": {**shape, "answer_tokens": answer_tokens},
         "round_s": seconds,

@@ -25,7 +25,9 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
     # the round ceiling: the loop's own forwards (a page's compile, the ask's forward behind the anchor and
     # two pages), for every count above one, read against the measured ratio
     shape = ceiling["round_shape"]
-    assert shape["ask_tokens"] > shape["page_tokens"] > 0 and shape["anchor_tokens"] > 0
+    engine = tiny_chat_engine()
+    assert shape["page_tokens"] == len(engine.tokenize(serve._page(0, 3)))  # the page's compile, nothing else
+    assert shape["anchor_tokens"] == len(engine.anchor_ids) and shape["ask_tokens"] > shape["page_tokens"]
     assert shape["window_tokens"] == shape["anchor_tokens"] + 2 * shape["page_tokens"]
     assert shape["answer_tokens"] >= 1
     assert set(ceiling["round_ratio"]) == set(ceiling["round_s"]) == set(ceiling["round_ratio_reached"]) == {"3"}
