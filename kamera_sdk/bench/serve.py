@@ -260,7 +260,7 @@ def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
     }
 
 
-def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *, repeat: int = 2) -> dict[str, Any]:
+def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *, repeat: int = 5) -> dict[str, Any]:
     """What perfect batching of the loop's forwards would gain on this machine: one steady-state round of
     N sessions (each: its page's compile, its ask's forward, an answer of ``answer_tokens``) with every
     session's page in one packed forward, every ask in one and every decode step holding all N rows,
