@@ -13,8 +13,8 @@ The run also measures the ceiling batching has on this machine (``ceiling``): on
 and 32 rows against one row (the decode-only speedup; rows in a decode slab as the scheduler runs them,
 and with per-row attention for comparison), and a page-sized prefill against a decode step (prefill is
 compute-bound: its cost grows with its tokens and a batch does not make it cheaper), and one round of the
-loop batched perfectly against one session after another (``round_ceiling``): the most any scheduler
-could gain on this machine for this loop, so a run's ratio can be read against it
+loop's forwards batched perfectly against one session after another (``round_ceiling``): the forwards'
+bound on the ratio for this loop on this machine, so a run's ratio can be read against it
 (``round_ratio_reached``).
 """
 
@@ -187,9 +187,6 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
     ids = [int(t) % engine.vocab_size for t in range(100, 100 + past_tokens)]
     past = engine.forward(ids, None, 0, logits="none").kv
 
-    def best(fn: Any) -> float:
-        return _best(fn, repeat)
-
     def decode_step(b: int, slabbed: bool) -> float:
         caches = [RowCache.from_past(past, engine.num_layers, reserve=2) for _ in range(b)]
         slab = DecodeSlab()
@@ -203,7 +200,7 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
                 c.rollback(m)
             batched_forward(engine.model, [Row.at(x, [5], past_tokens) for x in caches])
 
-        return best(step)
+        return _best(step, repeat)
 
     decode_s = {str(b): decode_step(b, True) for b in (1, 8, 32)}
     per_row_s = {str(b): decode_step(b, False) for b in (1, 8, 32)}
@@ -214,7 +211,7 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
         page.rollback(mark)
         batched_forward(engine.model, [Row.at(page, ids[:page_tokens], past_tokens)])
 
-    prefill_s = best(prefill)
+    prefill_s = _best(prefill, repeat)
     one = decode_s["1"]
     return {
         "decode_step_s": decode_s,
@@ -229,8 +226,8 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
 
 
 def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
-    """The forwards of the loop's steady-state round as a window runs them, read off the engine's
-    counters around one session's calls (rounds of the loop until a slide has happened): the page's
+    """The forwards of the loop's steady-state round as a window runs them, read off the calling thread's
+    engine counters around one session's calls (rounds of the loop until a slide has happened): the page's
     compile (``page_tokens``, behind the anchor's ``anchor_tokens``) and the ask's forward (``ask_tokens``:
     the new page again with the question, behind the anchor and the ``held - 1`` pages before it,
     ``window_tokens``)."""
