@@ -31,6 +31,7 @@ from .fingerprint import engine_fingerprint
 from .kv import KV, Past
 from .loading import LoadSettings, ModelSource, load_engine
 from .operator import Patch
+from .packed_linear import pack_linears, resolve_linear_backend
 from .rope import HALF_DTYPES, RopeSpec, check_rotation
 from .runner import ForwardResult, Prefilled, run_forward
 from .scheduler import active_scheduler, alone, driven_scheduler, forwards_alone
@@ -63,6 +64,7 @@ class EngineInfo(BaseModel):
     attention: str
     anchor_tokens: int
     context_length: int | None = None
+    linear_backend: str = "native"  # "onednn": linears on packed oneDNN weights (``packed_linear.py``)
 
 
 class EngineCounters(BaseModel):
@@ -97,8 +99,13 @@ class Engine:
         name: str | None = None,
         anchor_ids: Sequence[int] | None = None,
         attention: str | None = None,
+        linear_backend: str | None = None,
     ) -> None:
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # an inference engine: no forward builds a graph
+        #: what its linears run on (``packed_linear.py``): ``onednn`` (packed weights, CPU float32) or ``native``
+        self.linear_backend = resolve_linear_backend(linear_backend, model)
+        if self.linear_backend == "onednn":
+            pack_linears(model)
         self.tokenizer = tokenizer
         #: token ids a prompt or chunk may hold: the rows of the input embedding
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -138,6 +145,7 @@ class Engine:
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
         attn: str | None = None,
+        linear: str | None = None,
     ) -> Engine:
         """Load the embedded default model (``model=None``) or a Hugging Face id / local path.
 
@@ -145,10 +153,11 @@ class Engine:
         on CPU, bfloat16 on GPU. ``attn``: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"`` (default:
         flash-attn when CUDA and the package are present, else SDPA). No network access is attempted
         for the default model or a local directory; a hub id not in the local cache fails at once when the
-        hub cannot be reached. A vision-language checkpoint of a registered family loads as a
-        ``VisionEngine`` (a subclass). See ``loading.py``.
+        hub cannot be reached. ``linear``: ``"onednn"`` or ``"native"`` (default: ``$KAMERA_LINEAR_BACKEND``,
+        else oneDNN's packed linears for float32 on a CPU; ``packed_linear.py``). A vision-language
+        checkpoint of a registered family loads as a ``VisionEngine`` (a subclass). See ``loading.py``.
         """
-        return load_engine(cls, model, device=device, dtype=dtype, attn=attn)
+        return load_engine(cls, model, device=device, dtype=dtype, attn=attn, linear=linear)
 
     @classmethod
     def from_source(cls, source: ModelSource, settings: LoadSettings) -> Engine:
@@ -166,7 +175,13 @@ class Engine:
             )
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load model {source.name}: {exc}") from exc
-        return cls(hf_model.to(settings.device), tokenizer, name=source.name, attention=settings.attention)
+        return cls(
+            hf_model.to(settings.device),
+            tokenizer,
+            name=source.name,
+            attention=settings.attention,
+            linear_backend=settings.linear,
+        )
 
     def _operator_rope(self) -> RopeSpec:
         if not self.rope_in_values:
@@ -301,6 +316,7 @@ class Engine:
             dtype=str(self.dtype).replace("torch.", ""),
             device=str(self.device),
             attention=self.attention,
+            linear_backend=self.linear_backend,
             anchor_tokens=len(self.anchor_ids),
             context_length=self.context_length,
         )

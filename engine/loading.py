@@ -34,6 +34,7 @@ from .adapters import adapter_for
 from .attention import resolve_attention
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import InvalidInputError, ModelLoadError
+from .packed_linear import LINEAR_BACKENDS
 
 #: seconds the hub connection probe waits before calling the hub unreachable
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -78,11 +79,16 @@ class LoadSettings:
     device: torch.device
     dtype: torch.dtype
     attention: str
+    linear: str | None = None  # the linear backend asked for (``packed_linear.py``); None: the default
 
     @staticmethod
-    def resolve(device: str | None, dtype: str | torch.dtype | None, attn: str | None) -> LoadSettings:
+    def resolve(
+        device: str | None, dtype: str | torch.dtype | None, attn: str | None, linear: str | None = None
+    ) -> LoadSettings:
         dev = resolve_device(device)
-        return LoadSettings(dev, resolve_dtype(dtype, dev), resolve_attention(attn, dev))
+        if linear is not None and linear not in (*LINEAR_BACKENDS, "auto"):
+            raise InvalidInputError(f"unknown linear backend {linear!r}; use one of {(*LINEAR_BACKENDS, 'auto')}")
+        return LoadSettings(dev, resolve_dtype(dtype, dev), resolve_attention(attn, dev), linear)
 
 
 # --- where the files are -------------------------------------------------------------------------
@@ -224,6 +230,7 @@ def load_engine(
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
     attn: str | None = None,
+    linear: str | None = None,
     **options: Any,
 ) -> E:
     """Load ``model`` into the engine class that serves its family (``base`` or a registered subclass of it).
@@ -231,7 +238,7 @@ def load_engine(
     ``options`` go to that class's ``from_source`` (e.g. ``cache_dir`` of ``VisionEngine``). A model type
     with no adapter is refused before any weights are read.
     """
-    settings = LoadSettings.resolve(device, dtype, attn)
+    settings = LoadSettings.resolve(device, dtype, attn, linear)
     found = locate(model)
     config = read_config(found)
     source = ModelSource(found.name, found.path, found.offline, config)

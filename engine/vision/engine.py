@@ -79,6 +79,7 @@ class VisionEngine(Engine):
         anchor_ids: Sequence[int] | None = None,
         attention: str | None = None,
         cache_dir: str | Path | None = None,
+        linear_backend: str | None = None,
     ) -> None:
         self.family: VisionFamily = family_for(model, processor)
         self.processor = processor
@@ -88,7 +89,14 @@ class VisionEngine(Engine):
         # windows register media concurrently (each window's gate is its own): one registration at a time, so
         # each gets its own range of virtual ids and a digest's tower runs once
         self._media_lock = threading.Lock()
-        super().__init__(model, self.family.tokenizer(), name=name, anchor_ids=anchor_ids, attention=attention)
+        super().__init__(
+            model,
+            self.family.tokenizer(),
+            name=name,
+            anchor_ids=anchor_ids,
+            attention=attention,
+            linear_backend=linear_backend,
+        )
         axes = self.family.rope_axes(self.operator_rope.rotary_dim // 2)
         self._mrope: MRopeSpec | None = None if axes is None else MRopeSpec.of(self.operator_rope, axes)
         self.vision_cache = VisionCache(self.fingerprint, cache_dir)
@@ -103,10 +111,11 @@ class VisionEngine(Engine):
         dtype: str | torch.dtype | None = None,
         attn: str | None = None,
         cache_dir: str | Path | None = None,
+        linear: str | None = None,
     ) -> VisionEngine:
         """Load a VLM and its processor by Hugging Face id or local path (the real ``from_pretrained``), as
         ``Engine.load`` does; ``cache_dir``: where vision-tower outputs are kept."""
-        return load_engine(cls, model, device=device, dtype=dtype, attn=attn, cache_dir=cache_dir)
+        return load_engine(cls, model, device=device, dtype=dtype, attn=attn, linear=linear, cache_dir=cache_dir)
 
     @classmethod
     def from_source(
@@ -131,7 +140,12 @@ class VisionEngine(Engine):
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load model {source.name}: {exc}") from exc
         return cls(
-            hf.to(settings.device), processor, name=source.name, attention=settings.attention, cache_dir=cache_dir
+            hf.to(settings.device),
+            processor,
+            name=source.name,
+            attention=settings.attention,
+            cache_dir=cache_dir,
+            linear_backend=settings.linear,
         )
 
     # --- media ----------------------------------------------------------------------------------

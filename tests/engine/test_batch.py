@@ -10,7 +10,7 @@ from kamera_engine import Engine, InvalidInputError
 from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward, column_logits, packed_length
 from kamera_engine.kv import KV
 from kamera_engine.runner import call_with_cache, run_forward
-from tests.conftest import random_ids
+from tests.conftest import ANCHOR, random_ids, tiny_model
 
 #: (past tokens, new tokens) per row: an empty past, decode steps, prompts longer and shorter than pasts
 SHAPES = [(0, 5), (7, 3), (12, 1), (3, 9), (20, 1)]
@@ -88,8 +88,11 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
 
 
 def test_the_column_head_runs_only_inside_a_batched_forward(tiny: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batched step of 2-8 rows computes its logits as (W @ h^T)^T (within tolerance of the single path);
-    outside a batched forward the head stays nn.Linear's own, bit for bit."""
+    """On BLAS's linears (``linear_backend="native"``), a batched step of 2-8 rows computes its logits as
+    (W @ h^T)^T (within tolerance of the single path); outside a batched forward the head stays nn.Linear's
+    own, bit for bit. A packed head (the CPU default) keeps its own form everywhere."""
+    assert type(tiny.model.get_output_embeddings()) is not torch.nn.Linear  # packed: no column form
+    tiny = Engine(tiny_model(tiny.name.removeprefix("tiny-")), None, anchor_ids=ANCHOR, linear_backend="native")
     calls: list[tuple[int, ...]] = []
 
     def spy(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
