@@ -508,13 +508,14 @@ def _column_forward(head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _column_head(model: nn.Module) -> None:
-    """Once per CPU model: its output head computes the logits of 2 to 8 rows as ``(W @ h^T)^T`` inside a
-    batched forward. MKL runs ``h @ W^T`` for a few rows as that many matrix-vector products over the
-    vocabulary's weights; a decode step of 2-8 rows of the default model took 8-29% less with the column
-    form (``docs/batching.md``). Any forward outside ``batched_forward`` (or with other row counts) runs
-    ``nn.Linear``'s own. The two forms differ by float rounding (about 4e-5 on logits of the default
-    model), within the batching tolerance. The head's ``forward`` becomes a bound method of a module-level
-    function, so a deep copy or a pickle of the model stays consistent."""
+    """Once per CPU model whose head is a plain ``nn.Linear`` (an engine with ``linear_backend="native"``; a packed
+    head, ``packed_linear.py``, reads its weights once for any row count and keeps its own form): the head
+    computes the logits of 2 to 8 rows as ``(W @ h^T)^T`` inside a batched forward. MKL runs ``h @ W^T`` for a
+    few rows as that many matrix-vector products over the vocabulary's weights; a decode step of 2-8 rows of the
+    default model took 8-29% less with the column form (``docs/batching.md``). Any forward outside
+    ``batched_forward`` (or with other row counts) runs ``nn.Linear``'s own. The two forms differ by float
+    rounding (about 4e-5 on logits of the default model), within the batching tolerance. The head's ``forward``
+    becomes a bound method of a module-level function, so a deep copy or a pickle of the model stays consistent."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or head.weight.device.type != "cpu" or "forward" in vars(head):
         return

@@ -101,16 +101,19 @@ class Engine:
         attention: str | None = None,
         linear_backend: str | None = None,
     ) -> None:
-        self.model = model.eval().requires_grad_(False)  # an inference engine: no forward builds a graph
-        #: what its linears run on (``packed_linear.py``): ``onednn`` (packed weights, CPU float32) or ``native``
-        self.linear_backend = resolve_linear_backend(linear_backend, model)
-        if self.linear_backend == "onednn":
-            pack_linears(model)
+        self.model = model.eval()
         self.tokenizer = tokenizer
         #: token ids a prompt or chunk may hold: the rows of the input embedding
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.name = name or str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.adapter: ModelAdapter = adapter_for(model.config, self.name)
+        # an inference engine: no forward builds a graph, and (on a CPU, float32) its linears run on packed
+        # oneDNN weights: the caller's model is frozen and its nn.Linear layers become PackedLinear in place
+        model.requires_grad_(False)
+        #: what its linears run on (``packed_linear.py``): ``onednn`` (packed weights, CPU float32) or ``native``
+        self.linear_backend = resolve_linear_backend(linear_backend, model)
+        if self.linear_backend == "onednn":
+            pack_linears(model)
         self.attention = attention or str(getattr(model.config, "_attn_implementation", None) or "sdpa")
         self.counters = EngineCounters()
         self._anchor_lock = threading.Lock()

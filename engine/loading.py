@@ -34,7 +34,7 @@ from .adapters import adapter_for
 from .attention import resolve_attention
 from .default_model import DEFAULT_MODEL_NAME, ensure_converted
 from .errors import InvalidInputError, ModelLoadError
-from .packed_linear import LINEAR_BACKENDS
+from .packed_linear import check_linear_backend
 
 #: seconds the hub connection probe waits before calling the hub unreachable
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -86,9 +86,9 @@ class LoadSettings:
         device: str | None, dtype: str | torch.dtype | None, attn: str | None, linear: str | None = None
     ) -> LoadSettings:
         dev = resolve_device(device)
-        if linear is not None and linear not in (*LINEAR_BACKENDS, "auto"):
-            raise InvalidInputError(f"unknown linear backend {linear!r}; use one of {(*LINEAR_BACKENDS, 'auto')}")
-        return LoadSettings(dev, resolve_dtype(dtype, dev), resolve_attention(attn, dev), linear)
+        dt = resolve_dtype(dtype, dev)
+        check_linear_backend(linear, dev, dt)  # before any weights are read
+        return LoadSettings(dev, dt, resolve_attention(attn, dev), linear)
 
 
 # --- where the files are -------------------------------------------------------------------------

@@ -13,9 +13,12 @@ of the engine then runs the same kernels: a lone forward, a batched one, the one
 the batched one alike. The cost is memory: the packed copy sits beside the weight (the model's linear
 weights twice; the default model about 0.5 GB more). The results differ from MKL's by float rounding.
 
-A packed copy follows its weight: a layer whose weight was replaced or changed in place packs again
-before its next forward, so a stale copy is never used. A forward that autograd must see (grad enabled
-and an input or the weight requiring grad), or on another device or dtype, runs ``nn.Linear``'s own.
+A packed copy follows its weight: a layer whose weight was replaced (``.data`` or ``.to()`` included)
+or changed in place with its version counter moving (``with torch.no_grad(): w.mul_(2)``) packs again
+before its next forward; an in-place edit of ``weight.data`` keeps the tensor, its storage and its
+version, and is not seen. Whether a lone row runs as two (``_pack``) is probed at packing time, under the
+thread count and oneDNN math mode then in force. A forward that autograd must see (grad enabled and an
+input, the weight or the bias requiring grad), or on another device or dtype, runs ``nn.Linear``'s own.
 ``KAMERA_LINEAR_BACKEND=native`` (or ``Engine(..., linear_backend="native")``) keeps BLAS.
 """
 
@@ -23,7 +26,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -46,21 +50,45 @@ def onednn_available() -> bool:
     )
 
 
-def resolve_linear_backend(requested: str | None, model: nn.Module) -> str:
-    """The backend ``model``'s linears run on: ``requested`` (checked), else ``$KAMERA_LINEAR_BACKEND``, else
-    ``auto``: ``onednn`` for a float32 model on a CPU where this torch has it, ``native`` otherwise. An
-    explicit ``onednn`` that cannot apply is refused, not downgraded."""
+def _choice(requested: str | None) -> str:
     choice = requested if requested is not None else (os.environ.get(LINEAR_BACKEND_ENV) or "auto")
     if choice not in (*LINEAR_BACKENDS, "auto"):
         raise InvalidInputError(f"unknown linear backend {choice!r}; use one of {(*LINEAR_BACKENDS, 'auto')}")
-    param = next(model.parameters(), None)
-    fits = param is not None and param.device.type == "cpu" and param.dtype == torch.float32
-    if choice == "auto":
-        return "onednn" if fits and onednn_available() else "native"
-    if choice == "onednn" and not fits:
+    return choice
+
+
+def _refuse_onednn(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type != "cpu" or dtype != torch.float32:
         raise InvalidInputError("the onednn linear backend runs float32 models on a CPU only")
-    if choice == "onednn" and not onednn_available():
+    if not onednn_available():
         raise InvalidInputError("this torch build has no oneDNN packed linear; use linear_backend='native'")
+
+
+def check_linear_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before a model is loaded, a backend name (or ``$KAMERA_LINEAR_BACKEND``) that is unknown, or
+    ``onednn`` where it cannot run (``device`` and ``dtype`` are the load's)."""
+    if _choice(requested) == "onednn":
+        _refuse_onednn(device, dtype)
+
+
+def resolve_linear_backend(requested: str | None, model: nn.Module) -> str:
+    """The backend ``model``'s linears run on: ``requested`` (checked), else ``$KAMERA_LINEAR_BACKEND``, else
+    ``auto``: ``onednn`` for a float32 model on a CPU where this torch has it, ``native`` otherwise. An
+    explicit ``onednn`` that cannot apply is refused, not downgraded; a model another engine packed already
+    runs ``onednn`` (``native`` for it is refused)."""
+    choice = _choice(requested)
+    if any(isinstance(m, PackedLinear) for m in model.modules()):  # packed by an engine before (a shared model)
+        if choice == "native":
+            raise InvalidInputError("the model's linears are already packed (another engine's): it runs onednn")
+        return "onednn"
+    param = next(model.parameters(), None)
+    if param is None:
+        return "native"
+    if choice == "auto":
+        fits = param.device.type == "cpu" and param.dtype == torch.float32
+        return "onednn" if fits and onednn_available() else "native"
+    if choice == "onednn":
+        _refuse_onednn(param.device, param.dtype)
     return choice
 
 
@@ -78,51 +106,72 @@ def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return packed, not torch.equal(lone, _linear(probe, packed, None)[:1])
 
 
+class _Packing(NamedTuple):
+    """A packed weight and what it was packed from (one object, swapped whole: no torn reads)."""
+
+    packed: torch.Tensor
+    pad_single: bool  # a lone row runs as two (``_pack``)
+    source: weakref.ref[torch.Tensor]
+    data_ptr: int
+    version: int  # -1 for an inference tensor (which keeps no version counter)
+
+
+def _version(weight: torch.Tensor) -> int:
+    return -1 if weight.is_inference() else int(weight._version)
+
+
+def _packing(weight: torch.Tensor) -> _Packing:
+    packed, pad_single = _pack(weight)
+    return _Packing(packed, pad_single, weakref.ref(weight), weight.data_ptr(), _version(weight))
+
+
+def _fresh(p: _Packing | None, weight: torch.Tensor) -> bool:
+    return p is not None and p.source() is weight and p.data_ptr == weight.data_ptr() and p.version == _version(weight)
+
+
+#: guards re-packing (rare: a weight replaced or changed in place)
+_PACK_LOCK = threading.Lock()
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` that runs through oneDNN with a packed copy of its weight (see the module docstring).
     The packed copy is never saved or copied with the module: a pickle or deep copy packs again."""
 
-    _packed: torch.Tensor | None
-    _pad_single: bool  # a lone row runs as two (``_pack``)
-    _packed_of: tuple[torch.Tensor | None, int]  # the weight it was packed from, and that weight's version
-    _pack_lock: threading.Lock
+    _packing: _Packing | None = None
 
-    def _current(self) -> torch.Tensor:
+    def _current(self) -> _Packing:
         weight = self.weight
-        source, version = self._packed_of
-        packed = self._packed
-        if packed is None or source is not weight or version != weight._version:
-            with self._pack_lock:
-                packed, self._pad_single = _pack(weight)
-                self._packed, self._packed_of = packed, (weight, weight._version)
-        return packed
+        p = self._packing
+        if not _fresh(p, weight):
+            with _PACK_LOCK:
+                p = self._packing
+                if not _fresh(p, weight):
+                    p = self._packing = _packing(weight)
+        assert p is not None
+        return p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight, bias = self.weight, self.bias
         if (
             x.device.type != "cpu"
             or weight.device.type != "cpu"
             or x.dtype != torch.float32
             or weight.dtype != torch.float32
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or (
+                torch.is_grad_enabled()
+                and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+            )
         ):
             return super().forward(x)
-        packed = self._current()
-        if self._pad_single and x.numel() == x.shape[-1]:  # one row: run it as two, as a batch would
-            return _linear(x.reshape(1, -1).expand(2, -1), packed, self.bias)[:1].reshape(*x.shape[:-1], -1)
-        return _linear(x, packed, self.bias)
+        p = self._current()
+        if p.pad_single and x.numel() == x.shape[-1]:  # one row: run it as two, as a batch would
+            return _linear(x.reshape(1, -1).expand(2, -1), p.packed, bias)[:1].reshape(*x.shape[:-1], -1)
+        return _linear(x, p.packed, bias)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_packed"] = None
-        state["_pad_single"] = False
-        state["_packed_of"] = (None, -1)
-        state.pop("_pack_lock", None)
+        state.pop("_packing", None)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._pack_lock = threading.Lock()
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -138,8 +187,6 @@ def pack_linears(model: nn.Module) -> int:
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue
         module.__class__ = PackedLinear
-        module._pack_lock = threading.Lock()  # type: ignore[assignment]
-        module._packed, module._pad_single = _pack(weight)  # type: ignore[assignment]
-        module._packed_of = (weight, weight._version)  # type: ignore[assignment]
+        module._packing = _packing(weight)  # type: ignore[attr-defined]
         n += 1
     return n

@@ -100,7 +100,14 @@ def chat_engine(base: Engine) -> tuple[Engine, ChatFormat]:
             derived = None
             if anchor != list(base.anchor_ids):
                 tok, attn = base.tokenizer, base.attention
-                derived = Engine(base.model, tok, name=base.name, anchor_ids=anchor, attention=attn)
+                derived = Engine(
+                    base.model,
+                    tok,
+                    name=base.name,
+                    anchor_ids=anchor,
+                    attention=attn,
+                    linear_backend=base.linear_backend,  # the model it shares is packed, or not, already
+                )
             hit = _chat_engines[base] = (derived, fmt)
         if hit[0] is not None:
             hit[0].context_length = base.context_length  # a limit set on the base engine holds here too
