@@ -112,6 +112,7 @@ class _Packing(NamedTuple):
     packed: torch.Tensor
     pad_single: bool  # a lone row runs as two (``_pack``)
     source: weakref.ref[torch.Tensor]
+    held: torch.Tensor  # the weight's data when packed: holds its storage, so no new storage takes its address
     data_ptr: int
     version: int  # -1 for an inference tensor (which keeps no version counter)
 
@@ -122,7 +123,7 @@ def _version(weight: torch.Tensor) -> int:
 
 def _packing(weight: torch.Tensor) -> _Packing:
     packed, pad_single = _pack(weight)
-    return _Packing(packed, pad_single, weakref.ref(weight), weight.data_ptr(), _version(weight))
+    return _Packing(packed, pad_single, weakref.ref(weight), weight.detach(), weight.data_ptr(), _version(weight))
 
 
 def _fresh(p: _Packing | None, weight: torch.Tensor) -> bool:
