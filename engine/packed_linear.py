@@ -16,7 +16,7 @@ weights twice; the default model about 0.5 GB more). The results differ from MKL
 A packed copy follows its weight: a layer whose weight was replaced (``.data`` or ``.to()`` included)
 or changed in place with its version counter moving (``with torch.no_grad(): w.mul_(2)``) packs again
 before its next forward; an in-place edit of ``weight.data`` keeps the tensor, its storage and its
-version, and is not seen. Whether a lone row runs as two (``_pack``) is probed at packing time, under the
+version, and is not seen. Whether a lone row runs as two (``_packing``) is probed at packing time, under the
 thread count and oneDNN math mode then in force. A forward that autograd must see (grad enabled and an
 input, the weight or the bias requiring grad), or on another device or dtype, runs ``nn.Linear``'s own.
 ``KAMERA_LINEAR_BACKEND=native`` (or ``Engine(..., linear_backend="native")``) keeps BLAS.
@@ -96,24 +96,13 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The packed weight, and whether a lone row must run as two: oneDNN may take another kernel for one row
-    (on the default model, the MLP's down projection: 1,536 inputs) whose rounding differs from the kernel every
-    larger row count shares, so a lone row would not equal the same row in a batch. Probed once per packing."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
-    lone = _linear(probe[:1], packed, None)
-    return packed, not torch.equal(lone, _linear(probe, packed, None)[:1])
-
-
 class _Packing(NamedTuple):
     """A packed weight and what it was packed from (one object, swapped whole: no torn reads)."""
 
     packed: torch.Tensor
-    pad_single: bool  # a lone row runs as two (``_pack``)
+    pad_single: bool  # a lone row runs as two (``_packing``)
     source: weakref.ref[torch.Tensor]
     held: torch.Tensor  # the weight's data when packed: holds its storage, so no new storage takes its address
-    data_ptr: int
     version: int  # -1 for an inference tensor (which keeps no version counter)
 
 
@@ -122,12 +111,22 @@ def _version(weight: torch.Tensor) -> int:
 
 
 def _packing(weight: torch.Tensor) -> _Packing:
-    packed, pad_single = _pack(weight)
-    return _Packing(packed, pad_single, weakref.ref(weight), weight.detach(), weight.data_ptr(), _version(weight))
+    """Pack ``weight``, and probe whether a lone row must run as two: oneDNN may take another kernel for one
+    row (on the default model, the MLP's down projection: 1,536 inputs) whose rounding differs from the kernel
+    every larger row count shares, so a lone row would not equal the same row in a batch."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
+    pad_single = not torch.equal(_linear(probe[:1], packed, None), _linear(probe, packed, None)[:1])
+    return _Packing(packed, pad_single, weakref.ref(weight), weight.detach(), _version(weight))
 
 
 def _fresh(p: _Packing | None, weight: torch.Tensor) -> bool:
-    return p is not None and p.source() is weight and p.data_ptr == weight.data_ptr() and p.version == _version(weight)
+    return (
+        p is not None
+        and p.source() is weight
+        and p.held.data_ptr() == weight.data_ptr()
+        and p.version == _version(weight)
+    )
 
 
 #: guards re-packing (rare: a weight replaced or changed in place)
