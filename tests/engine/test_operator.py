@@ -53,6 +53,29 @@ def test_patch_error_shrinks_with_rank() -> None:
     assert blind_err > errs[0] > errs[1] > errs[2]
 
 
+@pytest.mark.parametrize("tokens", [12, 40])  # fewer tokens than features (the (T, T) Gram matrix), and more
+def test_top_factors_are_the_truncated_svd(tokens: int) -> None:
+    from kamera_engine.operator import _top_factors
+
+    torch.manual_seed(tokens)
+    features, rank = 24, 6
+    spectrum = torch.logspace(0, -4, min(tokens, features), dtype=torch.float64)
+    u = torch.linalg.qr(torch.randn(3, tokens, len(spectrum), dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(3, features, len(spectrum), dtype=torch.float64))[0]
+    delta = (u * spectrum) @ v.transpose(1, 2)
+    delta[1] = 0.0  # a layer the context does not change (layer 0 of a real model): zero factors, no NaN
+    us, vt = _top_factors(delta.float(), rank, torch.float32)
+    assert us.shape == (3, tokens, rank) and vt.shape == (3, rank, features)
+    assert torch.isfinite(us).all() and torch.isfinite(vt).all() and us[1].abs().max() == 0
+    best = (u[:, :, :rank] * spectrum[:rank]) @ v[:, :, :rank].transpose(1, 2)  # Eckart-Young
+    best[1] = 0.0
+    assert (torch.bmm(us, vt).double() - best).abs().max().item() <= 1e-5
+    for layer in (0, 2):
+        assert (vt[layer] @ vt[layer].T - torch.eye(rank)).abs().max().item() <= 1e-5
+        norms = us[layer].norm(dim=0)  # largest first: truncating a stored patch keeps its leading factors
+        assert (norms[:-1] >= norms[1:]).all()
+
+
 def test_deep_only_patch_touches_only_its_layers() -> None:
     engine = tiny_engine("qwen2")
     _, _, _, _, cond_b, can_b, start_b = _setup(engine, seed=20)
