@@ -1,10 +1,10 @@
 """Batched forwards: several independent requests in one model call, in a ragged (packed) layout.
 
 Each request (a *row*) brings its own past KV, its own new token ids and its own explicit positions.
-The rows' new tokens are packed into one sequence (no padding between rows; on a CPU a short step may get
-one filler token at the end, ``packed_length``), so every weight GEMM of the model reads its weights once
-for all rows; attention is the only part that must not mix rows. A registered
-transformers attention function splits it by the rows' cumulative lengths:
+The rows' new tokens are packed into one sequence (no padding between rows; on a CPU with BLAS's linears a
+short step may get one filler token at the end, ``packed_length``), so every weight GEMM of the model reads
+its weights once for all rows; attention is the only part that must not mix rows. A registered transformers
+attention function splits it by the rows' cumulative lengths:
 
 * decode rows (one new token each) whose caches live in one :class:`DecodeSlab` (their KV side by side
   in per-layer ``(S, H, C, D)`` buffers) write their new keys and values in place and attend in **one**
@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .errors import InvalidInputError
 from .kv import KV, Past, past_parts
+from .packed_linear import PackedLinear
 
 #: The attention implementation name a batched forward switches the model to for its duration.
 ROWS_ATTENTION = "kamera_rows"
@@ -536,17 +537,20 @@ def _rows_attention_on(model: nn.Module, rows: _Rows) -> Iterator[None]:
             config._attn_implementation = rows.base
 
 
-def packed_length(tokens: int, device: torch.device) -> int:
-    """How long the packed sequence of a batched forward of ``tokens`` new tokens is. On a CPU a short step of
-    3, 7, 11 or 15 tokens (decode rows, mostly) gets one filler token: BLAS multiplies the rows of the model's
-    GEMMs in blocks of four, and a block of three left over can cost more than a full one (a decode step over
-    the default model, 2-core AMD EPYC, MKL: 3 rows 119-121 ms, filled to 4 103-104 ms; at 7, 11 and 15 rows
-    up to 11% in one run, level in another; at 5 or 13 rows filling up to the next multiple of four costs
-    more, so it stops at one token; ``docs/batching.md``). The filler attends to nothing, lands in no cache
-    and no logits are read from it. Elsewhere, ``tokens``."""
-    if device.type != "cpu" or tokens > 16 or tokens % 4 != 3:
+def packed_length(tokens: int, model: nn.Module) -> int:
+    """How long the packed sequence of a batched forward of ``tokens`` new tokens is on ``model``. On a CPU
+    whose linears run on BLAS (``nn.Linear``'s own: an engine with ``linear_backend="native"``), a short step
+    of 3, 7, 11 or 15 tokens (decode rows, mostly) gets one filler token: MKL multiplies the rows of the
+    model's GEMMs in blocks of four, and a block of three left over can cost more than a full one (a decode
+    step over the default model, 2-core AMD EPYC: 3 rows 119-121 ms, filled to 4 103-104 ms; at 7, 11 and 15
+    rows up to 11% in one run, level in another; at 5 or 13 rows filling up to the next multiple of four
+    costs more, so it stops at one token; ``docs/batching.md``). oneDNN's packed linears (the CPU default,
+    ``packed_linear.py``) gain nothing from it (the same machine, best of 18: 3 rows 41.7 ms either way, 7
+    rows 50.2 filled against 48.6), so they get none. The filler attends to nothing, lands in no cache and no
+    logits are read from it. Elsewhere, ``tokens``."""
+    if tokens > 16 or tokens % 4 != 3 or isinstance(model.get_output_embeddings(), PackedLinear):
         return tokens
-    return tokens + 1
+    return tokens + 1 if next(model.parameters()).device.type == "cpu" else tokens
 
 
 def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
@@ -562,7 +566,8 @@ def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
 @torch.inference_mode()
 def batched_forward(model: nn.Module, rows: Sequence[Row], *, fill: bool = True) -> list[torch.Tensor | None]:
     """Run every row's new tokens after its own cache in one model call; the caches grow in place.
-    ``fill``: pack a short CPU step with its filler token (``packed_length``; False only to measure it).
+    ``fill``: pack a short step on BLAS's CPU linears with its filler token (``packed_length``; False only to
+    measure it).
 
     Returns per row its logits as float32: ``(vocab,)`` for ``"last"``, ``(N, vocab)`` for ``"all"``,
     None for ``"none"``. A forward that raises leaves every row's cache as it was.
@@ -583,7 +588,7 @@ def batched_forward(model: nn.Module, rows: Sequence[Row], *, fill: bool = True)
             keep.append(b - 1)
     ids = torch.cat([r.ids for r in rows]).to(device)[None]
     positions = torch.cat([r.positions for r in rows]).to(device)[None]
-    padding = packed_length(at, device) - at if fill else 0
+    padding = packed_length(at, model) - at if fill else 0
     if padding:  # filler: token 0 at position 0, attending to nothing
         ids, positions = F.pad(ids, (0, padding)), F.pad(positions, (0, padding))
     marks = [r.cache.mark() for r in rows]

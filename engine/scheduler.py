@@ -492,7 +492,7 @@ class Scheduler:
         recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans[len(plan.rows) :], plan.carried, strict=True)]
         t0 = time.perf_counter()
         try:
-            with self._recording(recorded, packed_length(spans[-1][1], self.engine.device)) as captured:
+            with self._recording(recorded, packed_length(spans[-1][1], self.engine.model)) as captured:
                 logits = batched_forward(self.engine.model, rows)
         except Exception:
             # find the request that fails (the others go on); every window forward runs alone, so its own
