@@ -548,9 +548,11 @@ def packed_length(tokens: int, model: nn.Module) -> int:
     ``packed_linear.py``) gain nothing from it (the same machine, best of 18: 3 rows 41.7 ms either way, 7
     rows 50.2 filled against 48.6), so they get none. The filler attends to nothing, lands in no cache and no
     logits are read from it. Elsewhere, ``tokens``."""
-    if tokens > 16 or tokens % 4 != 3 or isinstance(model.get_output_embeddings(), PackedLinear):
+    if tokens > 16 or tokens % 4 != 3 or next(model.parameters()).device.type != "cpu":
         return tokens
-    return tokens + 1 if next(model.parameters()).device.type == "cpu" else tokens
+    head = model.get_output_embeddings()  # packed with the rest of the model's linears (``pack_linears``)
+    onednn = isinstance(head, PackedLinear) and head.weight.dtype == torch.float32 and head.weight.is_cpu
+    return tokens if onednn else tokens + 1
 
 
 def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:

@@ -184,10 +184,11 @@ def _mkl_local_setter() -> Any:
 @contextmanager
 def lapack_on_one_thread() -> Iterator[None]:
     """MKL (torch's BLAS and LAPACK on x86 CPUs) runs on one thread in this block, for the calling thread
-    only. A small factorisation (a patch's per-layer eigh of a 192 x 192 Gram matrix) gains nothing from
-    threads, and a threaded one stalls badly when another thread holds a core: on the 2-core machine, 30
-    such eigh took 1 to 24 s on two threads beside a busy core and 0.3 to 0.5 s on one. The model's own
-    thread keeps its count (MKL's thread-local setting). A no-op where torch has no MKL."""
+    only. A small factorisation (a patch's per-layer eigh of a Gram matrix, 192 x 192 at most on the default
+    model) gains nothing from threads, and a threaded one stalls badly when another thread holds a core: on
+    the 2-core machine, 30 such eigh of 192 x 192 took 1 to 24 s on two threads beside a busy core and 0.3
+    to 0.5 s on one. The model's own thread keeps its count (MKL's thread-local setting). A no-op where torch
+    has no MKL."""
     setter = _mkl_local_setter()
     if setter is None:
         yield

@@ -1,6 +1,9 @@
 """What small batches cost on this CPU (docs/batching.md, "Canonicals in steps, the anchor once, patches on
 one thread"): the figures behind the serve benchmark's ratio at 8 sessions.
 
+Everything here runs on BLAS's linears (``Engine.load(linear="native")``): it measured MKL, before the
+packed linears (``engine/packed_linear.py``), which need no filler token and no column head.
+
 * ``decode_step_s``: one batched decode step of B rows (B in 1 to 5, 7, 8, 11, 13, 15, 16), each a window of
   ``--past`` tokens in the decode slab, on the default model: best of 5, as the scheduler runs it (a step of
   3, 7, 11 or 15 tokens with its filler token, ``batch.packed_length``); ``decode_step_s_plain``: the same
@@ -111,7 +114,7 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=300, help="tokens of each decode row's window")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = parser.parse_args()
-    engine = Engine.load()
+    engine = Engine.load(linear="native")
     steps = decode_steps(engine, args.past)
     result = {
         "model": engine.name,

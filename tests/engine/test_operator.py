@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kamera_engine import KV, Engine, InvalidInputError, Patch, conditioning_delta
+from kamera_engine.operator import _top_factors
 from tests.conftest import ANCHOR, random_ids, tiny_engine
 
 
@@ -53,18 +54,21 @@ def test_patch_error_shrinks_with_rank() -> None:
     assert blind_err > errs[0] > errs[1] > errs[2]
 
 
-@pytest.mark.parametrize("tokens", [12, 40])  # fewer tokens than features (the (T, T) Gram matrix), and more
-def test_top_factors_are_the_truncated_svd(tokens: int) -> None:
-    from kamera_engine.operator import _top_factors
-
+@pytest.mark.parametrize("tokens", [12, 20, 40])  # the (T, T) Gram matrix up to 3/4 of the features, then (F, F)
+def test_top_factors_are_the_truncated_svd(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(tokens)
     features, rank = 24, 6
+    qr_calls: list[int] = []
+    qr = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda a, *args, **kw: qr_calls.append(1) or qr(a, *args, **kw))
     spectrum = torch.logspace(0, -4, min(tokens, features), dtype=torch.float64)
     u = torch.linalg.qr(torch.randn(3, tokens, len(spectrum), dtype=torch.float64))[0]
     v = torch.linalg.qr(torch.randn(3, features, len(spectrum), dtype=torch.float64))[0]
+    qr_calls.clear()
     delta = (u * spectrum) @ v.transpose(1, 2)
     delta[1] = 0.0  # a layer the context does not change (layer 0 of a real model): zero factors, no NaN
     us, vt = _top_factors(delta.float(), rank, torch.float32)
+    assert len(qr_calls) == (3 if 4 * tokens <= 3 * features else 0)  # the (T, T) route orthonormalises V
     assert us.shape == (3, tokens, rank) and vt.shape == (3, rank, features)
     assert torch.isfinite(us).all() and torch.isfinite(vt).all() and us[1].abs().max() == 0
     best = (u[:, :, :rank] * spectrum[:rank]) @ v[:, :, :rank].transpose(1, 2)  # Eckart-Young
@@ -74,6 +78,23 @@ def test_top_factors_are_the_truncated_svd(tokens: int) -> None:
         assert (vt[layer] @ vt[layer].T - torch.eye(rank)).abs().max().item() <= 1e-5
         norms = us[layer].norm(dim=0)  # largest first: truncating a stored patch keeps its leading factors
         assert (norms[:-1] >= norms[1:]).all()
+
+
+def test_top_factors_of_a_short_chunk_below_and_at_full_rank() -> None:
+    """Fewer tokens than features: a Delta of lower rank than asked is rebuilt exactly (its extra directions
+    are zero), and a full-rank patch (rank = T) stays exact in float64."""
+    torch.manual_seed(3)
+    tokens, features = 10, 24
+    low = torch.randn(2, tokens, 3, dtype=torch.float64) @ torch.randn(2, 3, features, dtype=torch.float64)
+    us, vt = _top_factors(low, 6, torch.float64)
+    assert torch.isfinite(us).all() and (torch.bmm(us, vt) - low).abs().max().item() <= 1e-10
+    full = torch.randn(2, tokens, features, dtype=torch.float64)
+    us, vt = _top_factors(full, tokens, torch.float64)
+    assert (torch.bmm(us, vt) - full).abs().max().item() <= 1e-10
+    us, vt = _top_factors(full, tokens - 1, torch.float64)  # one below full rank: the (T, T) route, the best rank T-1
+    s = torch.linalg.svdvals(full)
+    err = torch.linalg.matrix_norm(torch.bmm(us, vt) - full, ord=2)
+    assert torch.allclose(err, s[:, -1], rtol=1e-8)
 
 
 def test_deep_only_patch_touches_only_its_layers() -> None:
