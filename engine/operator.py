@@ -139,12 +139,10 @@ def _top_factors(delta: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[to
 
     Through one of the two Gram matrices, never a full (T, F) SVD:
 
-    * a chunk of at most three quarters as many tokens as features (T <= 0.75 F; F = heads x head dim), below
-      full rank: the (T, T) Gram matrix in float64 (its eigh costs about twice a float32 one of that size, so
-      past that the (F, F) one is cheaper: 30 layers at F = 192, T = 128: 48 ms against 56; T = 160: 72
-      against 55); its top eigenvectors span ``U_m``, and ``V_m`` is ``Delta^T U_m``
-      orthonormalised (a QR, which also covers a layer whose Delta is zero). A 57-token page of the default
-      model (F = 192): 12 ms for the 30 layers against 40 ms through the (F, F) matrix;
+    * T <= 0.75 F (F = heads x head dim), below full rank: the (T, T) Gram matrix in float64; its top
+      eigenvectors span ``U_m``, and ``V_m`` is ``Delta^T U_m`` orthonormalised (a QR, which also covers a
+      layer whose Delta is zero). Past 0.75 F its float64 eigh costs more than the (F, F) route's float32 one
+      (timings in docs/operator.md);
     * otherwise the (F, F) Gram matrix, formed in float64 and diagonalised in float32 below full rank (the
       leading directions are well separated); at full rank everything stays float64, so a full-rank patch
       is exact.
