@@ -33,7 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .errors import InvalidInputError
 from .kv import KV, Past, past_parts
-from .packed_linear import PackedLinear
+from .packed_linear import runs_onednn
 
 #: The attention implementation name a batched forward switches the model to for its duration.
 ROWS_ATTENTION = "kamera_rows"
@@ -550,9 +550,8 @@ def packed_length(tokens: int, model: nn.Module) -> int:
     logits are read from it. Elsewhere, ``tokens``."""
     if tokens > 16 or tokens % 4 != 3 or next(model.parameters()).device.type != "cpu":
         return tokens
-    head = model.get_output_embeddings()  # packed with the rest of the model's linears (``pack_linears``)
-    onednn = isinstance(head, PackedLinear) and head.weight.dtype == torch.float32 and head.weight.is_cpu
-    return tokens if onednn else tokens + 1
+    # the head is packed with the rest of the model's linears (``pack_linears``)
+    return tokens if runs_onednn(model.get_output_embeddings()) else tokens + 1
 
 
 def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:

@@ -57,8 +57,19 @@ def _choice(requested: str | None) -> str:
     return choice
 
 
+def _fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tensors of this device and dtype run on oneDNN's packed linear (float32 on a CPU)."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def runs_onednn(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a linear whose forward runs on its packed oneDNN weight (a :class:`PackedLinear`
+    whose weight is still float32 on a CPU)."""
+    return isinstance(module, PackedLinear) and _fits(module.weight.device, module.weight.dtype)
+
+
 def _refuse_onednn(device: torch.device, dtype: torch.dtype) -> None:
-    if device.type != "cpu" or dtype != torch.float32:
+    if not _fits(device, dtype):
         raise InvalidInputError("the onednn linear backend runs float32 models on a CPU only")
     if not onednn_available():
         raise InvalidInputError("this torch build has no oneDNN packed linear; use linear_backend='native'")
@@ -85,8 +96,7 @@ def resolve_linear_backend(requested: str | None, model: nn.Module) -> str:
     if param is None:
         return "native"
     if choice == "auto":
-        fits = param.device.type == "cpu" and param.dtype == torch.float32
-        return "onednn" if fits and onednn_available() else "native"
+        return "onednn" if _fits(param.device, param.dtype) and onednn_available() else "native"
     if choice == "onednn":
         _refuse_onednn(param.device, param.dtype)
     return choice
@@ -153,10 +163,8 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         if (
-            x.device.type != "cpu"
-            or weight.device.type != "cpu"
-            or x.dtype != torch.float32
-            or weight.dtype != torch.float32
+            not _fits(x.device, x.dtype)
+            or not _fits(weight.device, weight.dtype)
             or (
                 torch.is_grad_enabled()
                 and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
@@ -183,10 +191,9 @@ def pack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if not _fits(module.weight.device, module.weight.dtype):
             continue
         module.__class__ = PackedLinear
-        module._packing = _packing(weight)  # type: ignore[attr-defined]
+        module._packing = _packing(module.weight)  # type: ignore[attr-defined]
         n += 1
     return n
