@@ -85,6 +85,15 @@ class RowCache:
         return cls(layers, n)
 
     @classmethod
+    def borrowing(cls, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> RowCache:
+        """A row over per-layer ``(1, H, T, D)`` keys and values as they are, nothing copied, to be admitted to a
+        :class:`DecodeSlab` (which copies it into a slot). The row is exactly full, so a forward on it copies
+        it into buffers of its own before writing: the lender's tensors are only ever read."""
+        if not layers:
+            raise InvalidInputError("a row needs at least one layer")
+        return cls([(k, v) for k, v in layers], int(layers[0][0].shape[2]))
+
+    @classmethod
     def from_layers(cls, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, reserve: int = 0) -> RowCache:
         """A row over per-layer ``(1, H, T, D)`` keys and values (a transformers cache's layout), copied once
         with room for ``reserve`` more tokens."""
@@ -278,8 +287,11 @@ class DecodeSlab:
         old_slots, old_cap = self.slots, self.capacity
         for bufs in (self._keys, self._values):
             for layer, old in enumerate(bufs):
-                new = old.new_zeros(slots, old.shape[1], cap, old.shape[3])
+                # the old slab copied over, everything else zero (masked keys and values must stay finite)
+                new = old.new_empty(slots, old.shape[1], cap, old.shape[3])
                 new[:old_slots, :, :old_cap].copy_(old)
+                new[:old_slots, :, old_cap:].zero_()
+                new[old_slots:].zero_()
                 bufs[layer] = new
         for row in self._rows:
             self._point(row)

@@ -607,7 +607,8 @@ class Scheduler:
         self._queue_and_await(self._carried, item, item.finished)
         if item.error is not None:
             raise item.error
-        assert item.result is not None
+        if item.result is None:  # it ran in steps: its result is put together here, off the driving thread
+            item.result = self._carried_result(item)
         return item.result
 
     def _lone_window_forward(self) -> _Carried | None:
@@ -667,11 +668,15 @@ class Scheduler:
         item = chunk.item
         if logits is not None:
             item.pieces.append(logits)
-        if not chunk.final:
-            return
+        if chunk.final:
+            self._carried_finish(item)  # its caller puts the result together (``_carried_result``)
+
+    def _carried_result(self, item: _Carried) -> ForwardResult:
+        """A forward that ran in steps as its caller gets it (on the caller's thread; no step touches its row
+        any more): the new tokens' placed KV, the logits asked for and a transformers cache over the row."""
+        cache = item.cache
+        assert cache is not None
         try:
-            cache = item.cache
-            assert cache is not None
             n = int(item.ids.numel())
             positions = torch.arange(item.start, item.start + n, dtype=torch.long)
             dyn = DynamicCache(config=self.engine.model.config)
@@ -680,10 +685,15 @@ class Scheduler:
             kv = cache.kv(item.n_past, item.n_past + n, positions)
             out = torch.cat(item.pieces) if item.logits == "all" else item.pieces[-1][None]
         except Exception as exc:  # this forward's own result could not be assembled: its caller raises
-            self._carried_fail(item, _as_kamera(exc))
-            return
-        item.result = ForwardResult(kv, out, dyn)
-        self._carried_finish(item)
+            with self._lock:
+                self._stats.carried_failed += 1
+            if isinstance(exc, KameraError):
+                raise
+            raise _as_kamera(exc) from exc
+        finally:
+            item.cache = None
+            item.pieces.clear()
+        return ForwardResult(kv, out, dyn)
 
     def _carried_fail(self, item: _Carried, error: BaseException) -> None:
         if item.finished.is_set():
@@ -774,12 +784,16 @@ class Scheduler:
         device = self.engine.device
         if req._prefilled is not None:
             p = req._prefilled
-            req._cache = RowCache.from_layers(p.layers, reserve=params.max_new_tokens)
+            # read in place until the slab's admit copies it into a slot (one copy, not two); the prefilled
+            # tensors may start other answers and are never written
+            req._cache = RowCache.borrowing(p.layers)
             req._position = p.next_position
             req._prefilled = None
             req.state = "decode"
             self._take(req, p.logits.float())
             self._to_slab(req)
+            if req._cache is not None and req._cache.slab is None:  # outside the slab: a cache of its own
+                req._cache = RowCache.from_layers(p.layers, reserve=params.max_new_tokens)
             return
         assert req._prompt is not None
         reserve = int(req._prompt.numel()) + params.max_new_tokens

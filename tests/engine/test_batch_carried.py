@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kamera_engine import Engine, SamplingParams
+from kamera_engine.batch import RowCache
 from kamera_engine.runner import ForwardResult
 from kamera_engine.scheduler import Scheduler
 from tests.conftest import random_ids, tiny_engine
@@ -81,6 +82,34 @@ def test_window_forwards_of_several_threads_run_in_one_step(engine: Engine) -> N
     stats = sched.stats()
     assert stats.steps == 1 and stats.carried_rows_max == len(cases) and stats.carried == len(cases)
     assert stats.carried_waiting == 0 and stats.carried_alone == 0
+    for got, want in zip(out, alone, strict=True):
+        assert got is not None
+        _same(got, want)
+
+
+def test_a_window_forwards_result_is_put_together_on_its_callers_thread(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copies a result needs (its new tokens' KV, a transformers cache over the row) run on the thread that
+    waits for it, not on the one stepping the scheduler, whose time every row of the batch shares."""
+    cases = _cases(engine, 3)
+    alone = [engine.forward(ids, past, start, logits=lg) for ids, past, start, lg in cases]
+    real = RowCache.kv
+    where: list[str] = []
+
+    def kv(self, *args, **kwargs):
+        where.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RowCache, "kv", kv)
+    sched = Scheduler(engine)
+    with sched.driving():
+        out, threads = _carry_from_threads(sched, cases)
+        _wait_until(lambda: sched.stats().carried_waiting == len(cases))
+        assert sched.step()
+        for t in threads:
+            t.join()
+    assert sorted(where) == sorted(t.name for t in threads)
     for got, want in zip(out, alone, strict=True):
         assert got is not None
         _same(got, want)

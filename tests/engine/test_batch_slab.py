@@ -286,3 +286,54 @@ def test_default_model_slab_rows_match_alone(default_engine: Engine) -> None:
             assert gap < TOL
             assert int(out.argmax()) == int(ref.argmax())
             tokens[i] = int(ref.argmax())
+
+
+def test_a_borrowed_row_copies_before_its_first_write() -> None:
+    engine = tiny_engine("llama")
+    res = run_forward(engine.model, torch.tensor(random_ids(9, 71)), None, 0)
+    layers = [(layer.keys, layer.values) for layer in res.cache.layers]
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    row = RowCache.borrowing(layers)
+    assert len(row) == 9  # nothing copied: the row reads the lender's storage
+    assert all(k.data_ptr() == lk.data_ptr() for (k, _), (lk, _) in zip(row.layers(), layers, strict=True))
+    (out,) = batched_forward(engine.model, [Row.at(row, [5], 9)])
+    assert out is not None and len(row) == 10
+    for (k, v), (k0, v0), (rk, rv) in zip(layers, before, row.layers(), strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)  # the lender's tensors are as they were
+        assert torch.equal(rk[:, :, :9], k0) and torch.equal(rv[:, :, :9], v0)
+
+
+@pytest.mark.parametrize("budget", [None, "tight"])
+def test_answers_from_one_prefilled_prompt_leave_it_as_it_was(
+    budget: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two answers decoded from the same snapshot (``submit_prefilled``), in the slab or, under a budget with no
+    room for the slab's padded slots, each from a cache of its own: both equal the unbatched decode, and the
+    snapshot's tensors, which the scheduler reads in place, are bit for bit unchanged. A row bound for the slab
+    is copied once, into its slot; only a row left outside gets buffers of its own."""
+    engine = tiny_engine("llama")
+    real, copies = RowCache.from_layers.__func__, [0]
+
+    def from_layers(cls, *args, **kwargs):
+        copies[0] += 1
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(RowCache, "from_layers", classmethod(from_layers))
+    prompt = random_ids(11, 72)
+    snap = engine.forward(prompt, None, 0, logits="last").prefilled(len(prompt))
+    before = [(k.clone(), v.clone()) for k, v in snap.layers]
+    params = [dict(max_new_tokens=6), dict(max_new_tokens=6, temperature=0.8, seed=3)]
+    want = [list(engine.continue_ids(snap, SamplingParams(**kw))) for kw in params]
+    sched = Scheduler(engine)
+    if budget == "tight":
+        need = sum((len(prompt) + kw["max_new_tokens"]) * sched.bytes_per_token for kw in params)
+        sched = Scheduler(engine, kv_budget_bytes=need)
+    reqs = [sched.submit_prefilled(snap, SamplingParams(**kw)) for kw in params]
+    outs = [[next(r)] for r in reqs]
+    assert sched.stats().slab_rows == (0 if budget else 2)
+    outs = [o + list(r) for o, r in zip(outs, reqs, strict=True)]
+    assert outs == want
+    assert copies[0] == (2 if budget else 0)
+    for (k, v), (k0, v0) in zip(snap.layers, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert sched.stats().kv_bytes == 0 and sched.stats().slab_bytes == 0
