@@ -91,7 +91,10 @@ class RowCache:
         it into buffers of its own before writing: the lender's tensors are only ever read."""
         if not layers:
             raise InvalidInputError("a row needs at least one layer")
-        return cls([(k, v) for k, v in layers], int(layers[0][0].shape[2]))
+        n = int(layers[0][0].shape[2])
+        if any(int(k.shape[2]) != n or int(v.shape[2]) != n for k, v in layers):
+            raise InvalidInputError("a borrowed row's layers must all hold the same number of tokens")
+        return cls([(k, v) for k, v in layers], n)
 
     @classmethod
     def from_layers(cls, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, reserve: int = 0) -> RowCache:

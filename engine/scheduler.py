@@ -594,7 +594,8 @@ class Scheduler:
         alone (``run_forward``, bit for bit the unbatched path). A forward longer than what is left of a
         step's ``step_tokens`` is split over several steps (chunked prefill). When the combined forward
         fails, every window forward of the step runs alone and its own error (if any) is raised here; an
-        error copying this forward's past or assembling its result is raised here too (the step goes on).
+        error copying this forward's past is raised here too (the step goes on), and so is one assembling
+        its result, which happens here, on the calling thread, once the forward has run.
         Returns None only for a ``logits`` mode it does not know (the caller runs its forward itself). The
         forward is counted by ``Engine.forward``, not again in the engine's counters.
 
@@ -607,8 +608,8 @@ class Scheduler:
         self._queue_and_await(self._carried, item, item.finished)
         if item.error is not None:
             raise item.error
-        if item.result is None:  # it ran in steps: its result is put together here, off the driving thread
-            item.result = self._carried_result(item)
+        if item.result is None:  # it ran in steps: its result is put together on this thread
+            return self._carried_result(item)
         return item.result
 
     def _lone_window_forward(self) -> _Carried | None:
@@ -678,7 +679,7 @@ class Scheduler:
         assert cache is not None
         try:
             n = int(item.ids.numel())
-            positions = torch.arange(item.start, item.start + n, dtype=torch.long)
+            positions = torch.arange(item.start, item.start + n, dtype=torch.long, device="cpu")
             dyn = DynamicCache(config=self.engine.model.config)
             for i, (k, v) in enumerate(cache.layers()):
                 dyn.update(k, v, i)
@@ -701,7 +702,8 @@ class Scheduler:
         item.error = error
         item.cache = None
         item.pieces.clear()
-        self._stats.carried_failed += 1
+        with self._lock:  # also counted on callers' threads (``_carried_result``)
+            self._stats.carried_failed += 1
         self._carried_finish(item)
 
     def _carried_finish(self, item: _Carried) -> None:
@@ -793,6 +795,7 @@ class Scheduler:
             self._take(req, p.logits.float())
             self._to_slab(req)
             if req._cache is not None and req._cache.slab is None:  # outside the slab: a cache of its own
+                # (after its first token: an allocation failing here fails the request as a later step would)
                 req._cache = RowCache.from_layers(p.layers, reserve=params.max_new_tokens)
             return
         assert req._prompt is not None

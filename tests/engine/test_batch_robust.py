@@ -97,13 +97,11 @@ def test_a_window_forward_failing_in_assembly_fails_alone(engine: Engine, monkey
     ids = [torch.tensor(random_ids(3, 3)), torch.tensor(random_ids(5, 4))]
     want = [engine.forward(ids[i], pasts[i], len(pasts[i]), logits="last") for i in range(2)]
     real = RowCache.kv
-    calls = [0]
 
-    def kv(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 1:
+    def kv(self, start, stop, *args, **kwargs):  # on the callers' threads, at once: the first case's 3 tokens fail
+        if stop - start == len(ids[0]):
             raise RuntimeError("cannot assemble")
-        return real(self, *args, **kwargs)
+        return real(self, start, stop, *args, **kwargs)
 
     monkeypatch.setattr(scheduler_module.RowCache, "kv", kv)
     sched = Scheduler(engine)
@@ -118,7 +116,7 @@ def test_a_window_forward_failing_in_assembly_fails_alone(engine: Engine, monkey
     assert not sched.has_work() and len(errors) == 1 and len(out) == 1
     ((failed, error),) = errors.items()
     ((ran, got),) = out.items()
-    assert "cannot assemble" in str(error) and {failed, ran} == {0, 1}
+    assert "cannot assemble" in str(error) and (failed, ran) == (0, 1)
     assert (got.logits - want[ran].logits).abs().max().item() < TOL
 
 

@@ -289,9 +289,15 @@ def test_default_model_slab_rows_match_alone(default_engine: Engine) -> None:
 
 
 def test_a_borrowed_row_copies_before_its_first_write() -> None:
+    """Even when the lender is a view with room after it (a window buffer's rows, a reserved cache)."""
     engine = tiny_engine("llama")
     res = run_forward(engine.model, torch.tensor(random_ids(9, 71)), None, 0)
-    layers = [(layer.keys, layer.values) for layer in res.cache.layers]
+    spare = []
+    for layer in res.cache.layers:
+        k, v = (torch.zeros(*t.shape[:2], 16, t.shape[3], dtype=t.dtype) for t in (layer.keys, layer.values))
+        k[:, :, :9], v[:, :, :9] = layer.keys, layer.values
+        spare.append((k, v))
+    layers = [(k[:, :, :9], v[:, :, :9]) for k, v in spare]
     before = [(k.clone(), v.clone()) for k, v in layers]
     row = RowCache.borrowing(layers)
     assert len(row) == 9  # nothing copied: the row reads the lender's storage
@@ -301,6 +307,33 @@ def test_a_borrowed_row_copies_before_its_first_write() -> None:
     for (k, v), (k0, v0), (rk, rv) in zip(layers, before, row.layers(), strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)  # the lender's tensors are as they were
         assert torch.equal(rk[:, :, :9], k0) and torch.equal(rv[:, :, :9], v0)
+    assert all(not k[:, :, 9:].any() and not v[:, :, 9:].any() for k, v in spare)  # nothing written past the view
+    with pytest.raises(InvalidInputError, match="same number of tokens"):
+        RowCache.borrowing([layers[0], (spare[1][0], spare[1][1])])
+
+
+def test_a_growing_slab_leaves_nothing_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing in slots and in tokens, the slab copies what it held and zeroes the rest: attention reads masked
+    keys and values too, so none may be left as whatever the allocator returned (here: NaN)."""
+    engine = tiny_engine("llama")
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: real(t, *a, **k).fill_(float("nan")))
+    slab = DecodeSlab()
+    rows, lengths = [], (3, 17, 8, 29, 5, 11)
+    for n in lengths:
+        cache, _ = _prefilled(engine, random_ids(n, 600 + n), 4)
+        slab.admit(cache, n + 4)  # the fifth row grows the slab from 4 slots to 8
+        rows.append(cache)
+    slab.reserve(slab.capacity + 1)  # and in tokens
+    assert slab.slots == 8 and slab.capacity > 64
+    for bufs in (slab._keys, slab._values):
+        for buf in bufs:
+            assert not buf.isnan().any()
+            for row, n in zip(rows, lengths, strict=True):
+                assert not buf[row._slot, :, n:].any()
+            assert not buf[len(rows) :].any()
+    for row, n in zip(rows, lengths, strict=True):
+        assert len(row) == n
 
 
 @pytest.mark.parametrize("budget", [None, "tight"])
