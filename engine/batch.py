@@ -94,7 +94,7 @@ class RowCache:
         n = int(layers[0][0].shape[2])
         if any(int(k.shape[2]) != n or int(v.shape[2]) != n for k, v in layers):
             raise InvalidInputError("a borrowed row's layers must all hold the same number of tokens")
-        return cls([(k, v) for k, v in layers], n)
+        return cls(list(layers), n)
 
     @classmethod
     def from_layers(cls, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, reserve: int = 0) -> RowCache:
