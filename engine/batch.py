@@ -124,6 +124,11 @@ class RowCache:
         """The decode slab holding this row's KV, if it was admitted to one."""
         return self._slab
 
+    @property
+    def slot(self) -> int:
+        """The row's slot in its decode slab (-1 outside one)."""
+        return self._slot
+
     def mark(self) -> list[int]:
         """The fill of every layer (to roll back a forward that failed part-way)."""
         return list(self._filled)
@@ -331,13 +336,18 @@ class Row:
 
 @dataclass(slots=True)
 class _Together:
-    """Decode rows attended in one call: their row indices, slots and packed positions, in slot order."""
+    """Decode rows attended in one call: their row indices, slots and packed positions, in slot order, and what
+    every layer of the forward shares (their lengths before it, the mask)."""
 
     slab: DecodeSlab
     members: list[int]  # indices into the forward's rows
     slots: torch.Tensor  # (B,) long
     at: torch.Tensor  # (B,) each row's token in the packed sequence
     in_place: bool  # slots are 0..B-1: the slab's first B slots are read as they lie
+    pasts: list[int]  # each row's length before this forward (the same in every layer)
+    where: torch.Tensor  # (B,) long: ``pasts``, where each row's new key and value go
+    first: int | None  # the rows' tokens sit at ``first .. first+B-1`` in the packed sequence: slices, no gathers
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive, per score dtype
 
 
 @dataclass(slots=True)
@@ -349,8 +359,7 @@ class _Rows:
     base: str  # the model's own attention implementation
     together: _Together | None = None
     padding: int = 0  # filler tokens after the last row (``packed_length``): they attend to nothing
-    masks: dict[tuple[int, int, str], torch.Tensor | None] = field(default_factory=dict)
-    slab_masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, int, str, torch.dtype, bool], torch.Tensor | None] = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -389,23 +398,45 @@ def _rows_attention(
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     fn = _base_attention(module, rows.base)
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    # per row its output, or a block of consecutive rows' outputs at the block's first row (``_COVERED`` after it)
     outs: list[torch.Tensor | None] = [None] * len(rows.caches)
     if rows.together is not None:
         _together_attention(module, fn, query, key, value, rows, layer, outs, kwargs)
+    # a masked row on a CPU calls SDPA itself with grouped heads and an additive mask: bit for bit what the model's
+    # own SDPA function computes there (which repeats the key and value heads first: a copy of each, per layer)
+    direct = rows.base == "sdpa" and query.device.type == "cpu" and not (_UNUSUAL & kwargs.keys())
     for i, (cache, (a, b)) in enumerate(zip(rows.caches, rows.spans, strict=True)):
         if outs[i] is not None:
             continue
         past = cache._filled[layer]
         k_all, v_all = cache.append(layer, key[:, :, a:b], value[:, :, a:b])
-        mask_key = (past, b - a, str(query.device))
+        mask_key = (past, b - a, str(query.device), query.dtype, direct)
         if mask_key not in rows.masks:
-            rows.masks[mask_key] = _row_mask(past, b - a, rows.base, query.device, query.dtype)
-        outs[i], _ = fn(module, query[:, :, a:b], k_all, v_all, rows.masks[mask_key], **kwargs)
+            mask = _row_mask(past, b - a, rows.base, query.device, query.dtype)
+            if direct and mask is not None:
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+            rows.masks[mask_key] = mask
+        mask = rows.masks[mask_key]
+        if direct and mask is not None:
+            q = query[:, :, a:b]
+            out = F.scaled_dot_product_attention(
+                q, k_all, v_all, attn_mask=mask, scale=kwargs.get("scaling"), enable_gqa=q.shape[1] != k_all.shape[1]
+            )
+            outs[i] = out.transpose(1, 2)
+        else:
+            outs[i], _ = fn(module, query[:, :, a:b], k_all, v_all, mask, **kwargs)
+    parts = [o for o in outs if o is not _COVERED]
     if rows.padding:
-        first = outs[0]
+        first = parts[0]
         assert first is not None
-        outs.append(first.new_zeros(first.shape[0], rows.padding, *first.shape[2:]))
-    return torch.cat(outs, dim=1), None  # type: ignore[arg-type]
+        parts.append(first.new_zeros(first.shape[0], rows.padding, *first.shape[2:]))
+    if len(parts) == 1:  # a step of decode rows only: their block is the whole output
+        return parts[0], None  # type: ignore[return-value]
+    return torch.cat(parts, dim=1), None  # type: ignore[arg-type]
+
+
+#: marks a row whose output is part of a block held at an earlier row (``_together_attention``)
+_COVERED = torch.empty(0)
 
 
 #: attention keywords the direct SDPA call does not honour: those calls go through the model's own function
@@ -428,34 +459,33 @@ def _together_attention(
     each row its own ``length + 1`` keys."""
     group = rows.together
     assert group is not None
-    caches = [rows.caches[i] for i in group.members]
-    pasts = [c._filled[layer] for c in caches]
-    slab = group.slab
+    slab, pasts, n = group.slab, group.pasts, len(group.members)
     longest = max(pasts) + 1
     if longest > slab.capacity:
         slab.reserve(longest)
     k_buf, v_buf = slab._keys[layer], slab._values[layer]
-    where = torch.tensor(pasts, dtype=torch.long, device=k_buf.device)
-    k_buf[group.slots, :, where] = key[0, :, group.at].transpose(0, 1)
-    v_buf[group.slots, :, where] = value[0, :, group.at].transpose(0, 1)
-    for c, p in zip(caches, pasts, strict=True):
-        c._filled[layer] = p + 1
+    if group.first is not None:  # the rows' tokens are consecutive in the packed sequence, in slot order: views
+        a = group.first
+        q = query[0, :, a : a + n].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
+        new_k, new_v = key[0, :, a : a + n].transpose(0, 1), value[0, :, a : a + n].transpose(0, 1)
+    else:
+        q = query[0, :, group.at].transpose(0, 1)[:, :, None]
+        new_k, new_v = key[0, :, group.at].transpose(0, 1), value[0, :, group.at].transpose(0, 1)
+    k_buf[group.slots, :, group.where] = new_k
+    v_buf[group.slots, :, group.where] = new_v
+    for i, p in zip(group.members, pasts, strict=True):
+        rows.caches[i]._filled[layer] = p + 1
     if group.in_place:
-        k_all, v_all = k_buf[: len(caches), :, :longest], v_buf[: len(caches), :, :longest]
+        k_all, v_all = k_buf[:n, :, :longest], v_buf[:n, :, :longest]
     else:
         k_all = k_buf.index_select(0, group.slots)[:, :, :longest]
         v_all = v_buf.index_select(0, group.slots)[:, :, :longest]
-    mask_key = tuple(pasts)
-    mask = rows.slab_masks.get(mask_key)
-    if mask is None:
-        allowed = torch.arange(longest, device=k_buf.device)[None, :] <= where[:, None]
-        mask = allowed[:, None, None, :]
-        if rows.base == "eager":
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=k_buf.device).masked_fill(
-                ~mask, torch.finfo(query.dtype).min
-            )
-        rows.slab_masks[mask_key] = mask
-    q = query[0, :, group.at].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
+    mask = group.masks.get(query.dtype)
+    if mask is None:  # additive, once per forward: SDPA would turn a boolean mask into this in every layer
+        allowed = (torch.arange(longest, device=k_buf.device)[None, :] <= group.where[:, None])[:, None, None, :]
+        fill = torch.finfo(query.dtype).min if rows.base == "eager" else float("-inf")  # -inf: SDPA's own fill
+        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=k_buf.device).masked_fill(~allowed, fill)
+        group.masks[query.dtype] = mask
     if rows.base == "sdpa" and not (_UNUSUAL & kwargs.keys()):
         # SDPA itself, with grouped heads as the single decode runs them (transformers' wrapper packs the
         # heads differently once a mask is given, which rounds further from the single path)
@@ -464,6 +494,11 @@ def _together_attention(
         ).transpose(1, 2)
     else:
         out, _ = fn(module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
+    if group.first is not None:  # one block: (B, 1, H, D) is laid out as (1, B, H, D)
+        outs[group.first] = out.reshape(1, n, *out.shape[2:])
+        for j in range(group.first + 1, group.first + n):
+            outs[j] = _COVERED
+        return
     for j, i in enumerate(group.members):
         outs[i] = out[j : j + 1]
 
@@ -488,12 +523,20 @@ def _together(rows: Sequence[Row], base: str, spans: list[tuple[int, int]]) -> _
     slab = rows[members[0]].cache._slab
     assert slab is not None
     device = slab._keys[0].device
+    at = [spans[i][0] for i in members]
+    pasts = [rows[i].cache._filled[0] for i in members]
+    if any(rows[i].cache._filled.count(p) != len(rows[i].cache._filled) for i, p in zip(members, pasts, strict=True)):
+        return None  # a row whose layers hold different lengths (never after a whole forward): one at a time
+    consecutive = at == list(range(at[0], at[0] + len(at)))
     return _Together(
         slab,
         members,
         torch.tensor(slots, dtype=torch.long, device=device),
-        torch.tensor([spans[i][0] for i in members], dtype=torch.long, device=device),
+        torch.tensor(at, dtype=torch.long, device=device),
         slots == list(range(len(slots))),
+        pasts,
+        torch.tensor(pasts, dtype=torch.long, device=device),
+        at[0] if consecutive else None,
     )
 
 

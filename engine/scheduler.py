@@ -811,6 +811,9 @@ class Scheduler:
             prefilling = [r for r in self._running if r.state == "prefill"]
             rows = self.max_rows - 1 if self._carried else self.max_rows  # a window forward always gets a row
         budget = self.step_tokens
+        # in slot order: the slab's rows then sit side by side in the packed sequence, and their attention
+        # reads and writes them as slices (``batch._together``)
+        decoding = sorted(decoding[:rows], key=lambda r: r._cache.slot if r._cache is not None else -1)
         for req in decoding:
             if len(plan.rows) >= rows:
                 break

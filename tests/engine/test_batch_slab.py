@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kamera_engine import Engine, InvalidInputError, SamplingParams
+from kamera_engine import Engine, InvalidInputError, SamplingParams, batch
 from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
 from kamera_engine.runner import call_with_cache, run_forward
 from kamera_engine.scheduler import Scheduler
@@ -237,6 +237,49 @@ def test_a_cancelled_row_leaves_the_slab_and_the_others_go_on() -> None:
         outs[i].extend(reqs[i])
         assert outs[i] == expected[i]
     assert sched.stats().slab_bytes == 0
+
+
+def test_the_scheduler_lays_slab_rows_out_in_slot_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a row leaves (the last row moves into its slot), the scheduler still packs its decode rows in slot
+    order, so their attention reads and writes the slab's first slots as slices (one block, no gathers), and every
+    answer is the one it gets alone."""
+    engine = tiny_engine("qwen2")
+    cases = _cases()
+    expected = [_alone(engine, p, kw) for p, kw in cases]
+    seen: list[tuple[int, int | None, bool]] = []
+    real = batch._together
+
+    def spy(rows: list[Row], base: str, spans: list[tuple[int, int]]) -> object:
+        group = real(rows, base, spans)
+        if group is not None:
+            seen.append((len(group.members), group.first, group.in_place))
+        return group
+
+    monkeypatch.setattr(batch, "_together", spy)
+    sched = Scheduler(engine)
+    reqs = [sched.submit(None, p, 0, SamplingParams(**kw)) for p, kw in cases]
+    outs: list[list[int]] = [[next(r)] for r in reqs]
+    reqs[0].close()  # slot 0 is free: the last request's row moves there, ahead of the others' in slot order
+    for i in (1, 2, 3):
+        outs[i].extend(reqs[i])
+        assert outs[i] == expected[i]
+    assert len(seen) > 3 and {n for n, _, _ in seen} >= {2, 3}
+    assert all(first == 0 and in_place for _, first, in_place in seen), seen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gpt_neox"])
+def test_a_masked_prompt_row_is_its_single_forward_bit_for_bit(family: str) -> None:
+    """A prompt after a past attends with a mask; on a CPU the batched forward calls SDPA with grouped heads and
+    an additive mask, which computes exactly what the model's own SDPA function does (repeating the heads)."""
+    engine = tiny_engine(family)
+    past = run_forward(engine.model, torch.tensor(random_ids(11, 5)), None, 0, logits="none").kv
+    prompt = random_ids(7, 6)
+    ref = run_forward(engine.model, torch.tensor(prompt), past, 11, logits="all")
+    cache = RowCache.from_past(past, engine.num_layers, reserve=len(prompt))
+    (out,) = batched_forward(engine.model, [Row.at(cache, prompt, 11, logits="all")])
+    assert out is not None and torch.equal(out, ref.logits.float())
+    kv = cache.kv(11, 11 + len(prompt), None)
+    assert torch.equal(kv.keys, ref.kv.keys) and torch.equal(kv.values, ref.kv.values)
 
 
 @pytest.mark.parametrize("budget", [None, "tight"])
