@@ -21,7 +21,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .errors import InvalidInputError
 from .kv import KV, Past, past_parts
 from .packed_linear import runs_onednn
+from .threads import pooled, small_kernels_inline
 
 #: The attention implementation name a batched forward switches the model to for its duration.
 ROWS_ATTENTION = "kamera_rows"
@@ -419,12 +420,18 @@ def _rows_attention(
         mask = rows.masks[mask_key]
         if direct and mask is not None:
             q = query[:, :, a:b]
-            out = F.scaled_dot_product_attention(
-                q, k_all, v_all, attn_mask=mask, scale=kwargs.get("scaling"), enable_gqa=q.shape[1] != k_all.shape[1]
+            out = pooled(
+                F.scaled_dot_product_attention,
+                q,
+                k_all,
+                v_all,
+                attn_mask=mask,
+                scale=kwargs.get("scaling"),
+                enable_gqa=q.shape[1] != k_all.shape[1],
             )
             outs[i] = out.transpose(1, 2)
         else:
-            outs[i], _ = fn(module, query[:, :, a:b], k_all, v_all, mask, **kwargs)
+            outs[i], _ = pooled(fn, module, query[:, :, a:b], k_all, v_all, mask, **kwargs)
     parts = [o for o in outs if o is not _COVERED]
     if rows.padding:
         first = parts[0]
@@ -489,11 +496,17 @@ def _together_attention(
     if rows.base == "sdpa" and not (_UNUSUAL & kwargs.keys()):
         # SDPA itself, with grouped heads as the single decode runs them (transformers' wrapper packs the
         # heads differently once a mask is given, which rounds further from the single path)
-        out = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, scale=kwargs.get("scaling"), enable_gqa=q.shape[1] != k_all.shape[1]
+        out = pooled(
+            F.scaled_dot_product_attention,
+            q,
+            k_all,
+            v_all,
+            attn_mask=mask,
+            scale=kwargs.get("scaling"),
+            enable_gqa=q.shape[1] != k_all.shape[1],
         ).transpose(1, 2)
     else:
-        out, _ = fn(module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
+        out, _ = pooled(fn, module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
     if group.first is not None:  # one block: (B, 1, H, D) is laid out as (1, B, H, D)
         outs[group.first] = out.reshape(1, n, *out.shape[2:])
         for j in range(group.first + 1, group.first + n):
@@ -612,6 +625,25 @@ def packed_length(tokens: int, model: nn.Module) -> int:
     return tokens if runs_onednn(model.get_output_embeddings()) else tokens + 1
 
 
+#: a batched forward on a CPU with packed linears runs its small kernels inline (``threads.small_kernels_inline``;
+#: linears and attention keep the pool) when its widest activation, new tokens x the MLP's width, is more than
+#: torch's parallel grain (32,768 elements: below it nothing is split anyway) and at most this many elements.
+#: The default model (MLP width 1,536), 2-core AMD EPYC, one prompt row, best of 8, pool against inline: 57 tokens
+#: 133 / 112 ms, 142 tokens 243 / 219 ms, 300 tokens 509 / 469 ms, 512 tokens 869 / 916 ms (``docs/batching.md``)
+INLINE_MAX_ELEMENTS = 600_000
+
+
+def inlines_small_kernels(model: nn.Module, tokens: int) -> bool:
+    """Whether a batched forward of ``tokens`` new tokens on ``model`` runs its small kernels inline: a CPU model
+    whose linears run on oneDNN's packed weights (BLAS's would take the thread's count of one), with its widest
+    activation within (32,768, :data:`INLINE_MAX_ELEMENTS`] elements."""
+    if not runs_onednn(model.get_output_embeddings()):
+        return False
+    config = model.config
+    width = getattr(config, "intermediate_size", None) or 4 * int(config.hidden_size)
+    return 32_768 < tokens * int(width) <= INLINE_MAX_ELEMENTS
+
+
 def row_spans(rows: Sequence[Row]) -> list[tuple[int, int]]:
     """Each row's ``[start, stop)`` in the packed sequence of a batched forward (rows in order)."""
     spans, at = [], 0
@@ -652,8 +684,9 @@ def batched_forward(model: nn.Module, rows: Sequence[Row], *, fill: bool = True)
         ids, positions = F.pad(ids, (0, padding)), F.pad(positions, (0, padding))
     marks = [r.cache.mark() for r in rows]
     state = _Rows([r.cache for r in rows], spans, base, _together(rows, base, spans), padding)
+    inline = small_kernels_inline() if inlines_small_kernels(model, at + padding) else nullcontext()
     try:
-        with _rows_attention_on(model, state):
+        with _rows_attention_on(model, state), inline:
             out = model(
                 input_ids=ids,
                 position_ids=positions,

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .errors import InvalidInputError
+from .threads import pooled
 
 #: the linear backends an engine can run: ``onednn`` (packed, CPU float32 only) or ``native`` (PyTorch's own)
 LINEAR_BACKENDS = ("onednn", "native")
@@ -103,7 +104,8 @@ def resolve_linear_backend(requested: str | None, model: nn.Module) -> str:
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # on the thread's pool even where a forward runs its small kernels inline (``threads.small_kernels_inline``)
+    return pooled(torch.ops.mkldnn._linear_pointwise, x, packed, bias, "none", [], "")
 
 
 class _Packing(NamedTuple):

@@ -24,12 +24,15 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import InvalidInputError
+
+T = TypeVar("T")
 
 #: the most threads chosen automatically: a small model's kernels gain little past this, and a shared
 #: machine loses less when a descheduled thread stalls a parallel region
@@ -179,6 +182,70 @@ def _mkl_local_setter() -> Any:
         return None
     setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
     return setter
+
+
+@functools.cache
+def _omp_local_setter() -> Any:
+    """OpenMP's ``omp_set_num_threads`` from the runtime torch's own library links, or None (a build without
+    OpenMP). It sets the calling thread's count only (OpenMP keeps it per thread), unlike ``torch.set_num_threads``,
+    which also changes the count every thread started later begins with."""
+    try:
+        import ctypes
+
+        import torch
+
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        setter = lib.omp_set_num_threads  # found in the OpenMP runtime libtorch_cpu depends on
+    except (OSError, AttributeError):
+        return None
+    setter.argtypes, setter.restype = [ctypes.c_int], None
+    return setter
+
+
+#: per thread: its pool's thread count while :func:`small_kernels_inline` runs its small kernels on it alone
+_inline = threading.local()
+
+
+@contextmanager
+def small_kernels_inline() -> Iterator[None]:
+    """In this block torch runs the calling thread's CPU kernels on that thread alone (OpenMP's count for this
+    thread is one; other threads keep theirs), except those passed to :func:`pooled`, which get the pool back.
+
+    For a forward whose few big kernels (linears, attention) are worth the pool and whose many small ones (norms,
+    rotary embedding, activations over a few hundred tokens) are not: torch splits any kernel over more than
+    32,768 elements across the pool, and with idle pool threads asleep (the wait policy above) each split first
+    wakes one. On the 2-core machine a packed forward of 57 to 300 prompt tokens ran 8 to 19% faster with those
+    kernels inline (bit for bit the same results: they do not reduce across the split); at 512 tokens the pool
+    paid again (``batch.batched_forward`` decides; ``docs/batching.md``). A no-op where torch has no OpenMP, for a
+    pool of one thread, or nested."""
+    import torch
+
+    setter = _omp_local_setter()
+    pool = torch.get_num_threads()  # this thread's count (torch sets a new thread up on first use)
+    if setter is None or pool <= 1 or getattr(_inline, "pool", None) is not None:
+        yield
+        return
+    _inline.pool = pool
+    setter(1)
+    try:
+        yield
+    finally:
+        setter(pool)
+        _inline.pool = None
+
+
+def pooled(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on the calling thread's pool, inside :func:`small_kernels_inline` (elsewhere a
+    plain call): for the big kernels of such a block."""
+    pool = getattr(_inline, "pool", None)
+    if pool is None:
+        return fn(*args, **kwargs)
+    setter = _omp_local_setter()
+    setter(pool)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        setter(1)
 
 
 @contextmanager

@@ -185,3 +185,63 @@ def test_a_single_forward_elsewhere_keeps_sdpa_semantics(tiny: Engine) -> None:
     finally:
         tiny.model.config._attn_implementation = "sdpa"
     assert torch.equal(ref, other)
+
+
+def _counting_forward(engine: Engine, rows: list[Row], monkeypatch: pytest.MonkeyPatch) -> tuple[list, set, set]:
+    """Run ``rows`` in one batched forward, recording the calling thread's OpenMP count inside the big kernels
+    (``pooled``: linears and attention) and inside a norm (a small kernel's module)."""
+    import kamera_engine.packed_linear as packed_module
+
+    big: set[int] = set()
+    small: set[int] = set()
+    real = batch_module.pooled
+
+    def spy(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def counted(*a, **k):  # type: ignore[no-untyped-def]
+            big.add(torch.get_num_threads())
+            return fn(*a, **k)
+
+        return real(counted, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "pooled", spy)
+    monkeypatch.setattr(packed_module, "pooled", spy)
+    norm = engine.model.model.layers[0].input_layernorm
+    hook = norm.register_forward_hook(lambda *_: small.add(torch.get_num_threads()))
+    try:
+        outs = batched_forward(engine.model, rows)
+    finally:
+        hook.remove()
+    return outs, big, small
+
+
+def test_a_prompt_sized_forward_runs_small_kernels_inline_and_big_ones_on_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forward of a few hundred tokens on a CPU with packed linears runs its norms, rotary embedding and
+    activations on the calling thread alone and its linears and attention on the pool, with the same results to
+    the bit as with the pool everywhere; a decode step (nothing torch would split) keeps the pool throughout."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pool to leave (OpenMP grants two threads whatever the machine)
+    try:
+        engine = Engine(tiny_model("llama"), None, name="tiny-llama", anchor_ids=ANCHOR)
+        assert batch_module.inlines_small_kernels(engine.model, 300)  # 300 x 128 wide: past torch's grain
+        assert not batch_module.inlines_small_kernels(engine.model, 3)
+
+        def rows() -> list[Row]:
+            past = _past(engine, 9, 1)
+            prompt = Row.at(RowCache.from_past(past, engine.num_layers, reserve=300), random_ids(300, 2), 9, "all")
+            decode = Row.at(RowCache.from_past(_past(engine, 5, 3), engine.num_layers, reserve=1), [7], 5)
+            return [decode, prompt]
+
+        inline, big, small = _counting_forward(engine, rows(), monkeypatch)
+        assert big == {2} and small == {1}
+        monkeypatch.setattr(batch_module, "inlines_small_kernels", lambda model, tokens: False)
+        pooled_out, _, small = _counting_forward(engine, rows(), monkeypatch)
+        assert small == {2}
+        assert all(torch.equal(a, b) for a, b in zip(inline, pooled_out, strict=True))
+        decode = [Row.at(RowCache.from_past(_past(engine, 5, 3), engine.num_layers, reserve=1), [7], 5)]
+        monkeypatch.undo()
+        _, big, small = _counting_forward(engine, decode, monkeypatch)
+        assert small == {2} and big <= {2}
+    finally:
+        torch.set_num_threads(before)

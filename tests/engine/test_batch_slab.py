@@ -413,3 +413,40 @@ def test_answers_from_one_prefilled_prompt_leave_it_as_it_was(
     for (k, v), (k0, v0) in zip(snap.layers, before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
     assert sched.stats().kv_bytes == 0 and sched.stats().slab_bytes == 0
+
+
+@pytest.mark.slow
+def test_default_model_mixed_step_is_the_same_with_small_kernels_inline(
+    default_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real model, a step as a server runs it (slab decode rows, a question after a window, a page after the
+    anchor): with its small kernels inline (the default at this size) every logit and every new key and value is
+    the one the pool everywhere gives, to the bit."""
+    engine = default_engine
+    assert batch.inlines_small_kernels(engine.model, 6 + 78 + 57)
+
+    def step() -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        slab = DecodeSlab()
+        rows = []
+        for n in (40, 70, 55, 90, 62, 81):
+            cache, _ = _prefilled(engine, random_ids(n, 700 + n, vocab=engine.vocab_size), 2)
+            slab.admit(cache, n + 2)
+            rows.append(Row.at(cache, [11], n))
+        window = run_forward(engine.model, torch.tensor(random_ids(136, 3, vocab=engine.vocab_size)), None, 0).kv
+        anchor = run_forward(engine.model, torch.tensor(random_ids(24, 4, vocab=engine.vocab_size)), None, 0).kv
+        ask = RowCache.from_past(window, engine.num_layers, reserve=78)
+        page = RowCache.from_past(anchor, engine.num_layers, reserve=57)
+        rows.append(Row.at(ask, random_ids(78, 5, vocab=engine.vocab_size), 136))
+        rows.append(Row.at(page, random_ids(57, 6, vocab=engine.vocab_size), 24, logits="none"))
+        outs = batched_forward(engine.model, rows)
+        kv = [c.kv(n, n + k, None) for c, n, k in ((ask, 136, 78), (page, 24, 57))]
+        return outs, [t for x in kv for t in (x.keys, x.values)]
+
+    inline_logits, inline_kv = step()
+    monkeypatch.setattr(batch, "inlines_small_kernels", lambda model, tokens: False)
+    pooled_logits, pooled_kv = step()
+    assert all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(inline_logits, pooled_logits, strict=True)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(inline_kv, pooled_kv, strict=True))

@@ -127,3 +127,51 @@ def test_lapack_on_one_thread_is_this_threads_alone() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     pool = out["outside"]  # MKL's count for OMP_NUM_THREADS=2 (2 wherever two CPUs are usable)
     assert pool >= 1 and out == {"outside": pool, "other_thread": pool, "inside": 1, "same": True, "after": pool}
+
+
+_INLINE_PROBE = """
+import json, threading
+import kamera_engine, torch
+from kamera_engine.threads import pooled, small_kernels_inline
+out = {"outside": torch.get_num_threads()}
+inside, done = threading.Event(), threading.Event()
+def other():
+    inside.wait(10)
+    out["other_thread"] = torch.get_num_threads()
+    done.set()
+t = threading.Thread(target=other)
+t.start()
+with small_kernels_inline():
+    out["inside"] = torch.get_num_threads()
+    out["pooled"] = pooled(torch.get_num_threads)
+    out["after_pooled"] = torch.get_num_threads()
+    with small_kernels_inline():  # nested: nothing changes, and its end gives nothing back early
+        out["nested"] = pooled(torch.get_num_threads)
+    out["after_nested"] = torch.get_num_threads()
+    inside.set()
+    done.wait(10)
+out["after"] = torch.get_num_threads()
+out["plain_pooled"] = pooled(torch.get_num_threads)
+print(json.dumps(out))
+"""
+
+
+def test_small_kernels_inline_is_this_threads_alone_and_pooled_gives_the_pool_back() -> None:
+    """Inside the block the calling thread counts one OpenMP thread (another thread keeps its pool), ``pooled``
+    runs its call on the pool and returns to one, a nested block changes nothing, and the count is back after."""
+    full = {k: v for k, v in os.environ.items() if k not in _CLEARED} | {"OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _INLINE_PROBE], env=full, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    pool = out["outside"]
+    assert out == {
+        "outside": pool,
+        "other_thread": pool,
+        "inside": 1,
+        "pooled": pool,
+        "after_pooled": 1,
+        "nested": pool,
+        "after_nested": 1,
+        "after": pool,
+        "plain_pooled": pool,
+    }
