@@ -21,7 +21,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -395,7 +395,10 @@ def _rows_attention(
     """Attention of a packed batch: the slab's decode rows in one call; every other row's new keys and
     values join its cache and its queries attend to that row alone, through the model's own implementation."""
     rows: _Rows | None = getattr(_local, "rows", None)
-    if rows is None:  # a forward on another path while the name is set: behave as SDPA would
+    if rows is None:
+        if getattr(_local, "single", False):  # a single forward with its small kernels inline (``inline_forward``)
+            return pooled(ALL_ATTENTION_FUNCTIONS["sdpa"], module, query, key, value, attention_mask, **kwargs)
+        # a forward on another path while the name is set: behave as SDPA would
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     fn = _base_attention(module, rows.base)
     layer = int(module.layer_idx)  # type: ignore[arg-type]
@@ -608,6 +611,35 @@ def _rows_attention_on(model: nn.Module, rows: _Rows) -> Iterator[None]:
             config._attn_implementation = rows.base
 
 
+@contextmanager
+def _single_on(model: nn.Module) -> Iterator[None]:
+    config = model.config
+    with _switch:
+        config._attn_implementation = ROWS_ATTENTION
+        _local.single = True
+        try:
+            yield
+        finally:
+            _local.single = False
+            config._attn_implementation = "sdpa"
+
+
+def inline_forward(model: nn.Module, tokens: int) -> AbstractContextManager[None]:
+    """What a single (unbatched) forward of ``tokens`` new tokens on ``model`` runs in: where a batched one would
+    run its small kernels inline (:func:`inlines_small_kernels`), the same, with the model's own SDPA function on
+    the pool (the model's attention name is switched to this module's for the forward, as a batched forward does,
+    so its kernels can be told apart: the same function, bit for bit the same results); elsewhere nothing. Only
+    for a model on SDPA (an eager model's mask would be built another way under the switched name); forwards in
+    such a block exclude each other and batched forwards, as batched forwards do each other."""
+    base = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+    if base != "sdpa" or not inlines_small_kernels(model, tokens):
+        return nullcontext()
+    stack = ExitStack()
+    stack.enter_context(_single_on(model))
+    stack.enter_context(small_kernels_inline())
+    return stack
+
+
 def packed_length(tokens: int, model: nn.Module) -> int:
     """How long the packed sequence of a batched forward of ``tokens`` new tokens is on ``model``. On a CPU
     whose linears run on BLAS (``nn.Linear``'s own: an engine with ``linear_backend="native"``), a short step
@@ -634,12 +666,12 @@ INLINE_MAX_ELEMENTS = 600_000
 
 
 def inlines_small_kernels(model: nn.Module, tokens: int) -> bool:
-    """Whether a batched forward of ``tokens`` new tokens on ``model`` runs its small kernels inline: a CPU model
-    whose linears run on oneDNN's packed weights (BLAS's would take the thread's count of one), with its widest
-    activation within (32,768, :data:`INLINE_MAX_ELEMENTS`] elements."""
-    if not runs_onednn(model.get_output_embeddings()):
-        return False
+    """Whether a batched forward of ``tokens`` new tokens on ``model`` runs its small kernels inline: a text model on
+    a CPU whose linears run on oneDNN's packed weights (BLAS's would take the thread's count of one), with its
+    widest activation within (32,768, :data:`INLINE_MAX_ELEMENTS`] elements."""
     config = model.config
+    if getattr(config, "sub_configs", None) or not runs_onednn(model.get_output_embeddings()):
+        return False  # a composite (vision-language) model, or linears on BLAS
     width = getattr(config, "intermediate_size", None) or 4 * int(config.hidden_size)
     return 32_768 < tokens * int(width) <= INLINE_MAX_ELEMENTS
 

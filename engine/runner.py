@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from .batch import inline_forward
 from .errors import InvalidInputError, UnsupportedModelError
 from .kv import KV, Past, past_parts, to_cache
 from .window_buffer import BufferedKV
@@ -123,14 +124,15 @@ def run_forward(
     n_new = int(input_ids.shape[0])
     positions = torch.arange(start, start + n_new, dtype=torch.long)
     keep = _KEEP[logits]
-    out = call_with_cache(
-        model,
-        cache,
-        input_ids=input_ids[None].to(device),
-        position_ids=positions[None].to(device),
-        use_cache=True,
-        logits_to_keep=keep,
-    )
+    with inline_forward(model, n_new):  # a prompt-sized forward on a CPU: small kernels inline (batch.py)
+        out = call_with_cache(
+            model,
+            cache,
+            input_ids=input_ids[None].to(device),
+            position_ids=positions[None].to(device),
+            use_cache=True,
+            logits_to_keep=keep,
+        )
     # the model grows the cache it was handed in place (read back from ``cache``, not the output's field,
     # whose name changed with the argument's)
     new_kv = KV.from_cache(cache, n_past, n_past + n_new, positions)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -243,5 +245,50 @@ def test_a_prompt_sized_forward_runs_small_kernels_inline_and_big_ones_on_the_po
         monkeypatch.undo()
         _, big, small = _counting_forward(engine, decode, monkeypatch)
         assert small == {2} and big <= {2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_prompt_sized_single_forward_runs_small_kernels_inline_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_forward`` (the unbatched path) of a few hundred tokens does the same: its norms inline, its linears and
+    the model's own SDPA function on the pool, every logit and key the same to the bit, and the model's attention
+    name back afterwards. An eager model is left alone (its mask is built another way)."""
+    import kamera_engine.packed_linear as packed_module
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(tiny_model("llama"), None, name="tiny-llama", anchor_ids=ANCHOR)
+        past, ids = _past(engine, 9, 1), torch.tensor(random_ids(300, 2))
+        big: set[int] = set()
+        small: set[int] = set()
+        real = batch_module.pooled
+
+        def spy(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+            def counted(*a, **k):  # type: ignore[no-untyped-def]
+                big.add(torch.get_num_threads())
+                return fn(*a, **k)
+
+            return real(counted, *args, **kwargs)
+
+        monkeypatch.setattr(batch_module, "pooled", spy)
+        monkeypatch.setattr(packed_module, "pooled", spy)
+        norm = engine.model.model.layers[0].input_layernorm
+        hook = norm.register_forward_hook(lambda *_: small.add(torch.get_num_threads()))
+        try:
+            inline = run_forward(engine.model, ids, past, 9, logits="all")
+            assert big == {2} and small == {1}
+            monkeypatch.setattr(batch_module, "inlines_small_kernels", lambda model, tokens: False)
+            small.clear()
+            pooled_out = run_forward(engine.model, ids, past, 9, logits="all")
+            assert small == {2}
+        finally:
+            hook.remove()
+        assert torch.equal(inline.logits, pooled_out.logits) and torch.equal(inline.kv.keys, pooled_out.kv.keys)
+        assert engine.model.config._attn_implementation == "sdpa"
+        monkeypatch.undo()
+        eager = tiny_model("llama")
+        eager.config._attn_implementation = "eager"
+        assert isinstance(batch_module.inline_forward(eager, 300), contextlib.nullcontext)
     finally:
         torch.set_num_threads(before)
