@@ -660,8 +660,9 @@ def packed_length(tokens: int, model: nn.Module) -> int:
 #: a batched forward on a CPU with packed linears runs its small kernels inline (``threads.small_kernels_inline``;
 #: linears and attention keep the pool) when its widest activation, new tokens x the MLP's width, is more than
 #: torch's parallel grain (32,768 elements: below it nothing is split anyway) and at most this many elements.
-#: The default model (MLP width 1,536), 2-core AMD EPYC, one prompt row, best of 8, pool against inline: 57 tokens
-#: 133 / 112 ms, 142 tokens 243 / 219 ms, 300 tokens 509 / 469 ms, 512 tokens 869 / 916 ms (``docs/batching.md``)
+#: The default model (MLP width 1,536), the 2-core VM while its host was busy, one prompt row, best of 8, pool
+#: against inline: 57 tokens 133 / 112 ms, 142 tokens 243 / 219 ms, 300 tokens 509 / 469 ms, 512 tokens 869 / 916 ms
+#: (on the quiet host the two are level within a few percent: ``docs/batching.md``)
 INLINE_MAX_ELEMENTS = 600_000
 
 

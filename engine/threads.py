@@ -52,6 +52,8 @@ class ThreadPlan:
     source: str  # KAMERA_THREADS, OMP_NUM_THREADS, torch.set_num_threads, auto, set_threads or torch
     wait_policy: str
     reason: str
+    #: a forward's small kernels run inline (:func:`small_kernels_inline`): where idle pool threads sleep
+    inline_small_kernels: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +122,8 @@ def _configure() -> ThreadPlan:
 
         return ThreadPlan(torch.get_num_threads(), cpus, "torch", "torch default", f"{THREADS_ENV}=torch")
     wait = _set_wait_policy(torch_loaded)
+    # waking a sleeping pool thread is what small kernels inline avoid; spinning ones wake for free
+    sleeping = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
     import torch  # after the wait policy: OpenMP reads it when torch's library loads
 
     if chosen:
@@ -135,7 +139,7 @@ def _configure() -> ThreadPlan:
         n, source, reason = auto_threads(cpus)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    return ThreadPlan(n, cpus, source, wait, reason)
+    return ThreadPlan(n, cpus, source, wait, reason, sleeping)
 
 
 _plan: ThreadPlan = _configure()
@@ -152,6 +156,7 @@ def thread_plan() -> ThreadPlan:
             "changed at run time",
             _plan.wait_policy,
             "torch.set_num_threads was called after kamera_engine was imported",
+            _plan.inline_small_kernels,
         )
     return _plan
 
@@ -164,7 +169,7 @@ def set_threads(n: int) -> ThreadPlan:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidInputError(f"threads must be a positive int, got {n!r}")
     torch.set_num_threads(n)
-    _plan = ThreadPlan(n, _plan.cpus, "set_threads", _plan.wait_policy, f"set_threads({n})")
+    _plan = ThreadPlan(n, _plan.cpus, "set_threads", _plan.wait_policy, f"set_threads({n})", _plan.inline_small_kernels)
     return _plan
 
 
@@ -214,15 +219,18 @@ def small_kernels_inline() -> Iterator[None]:
     For a forward whose few big kernels (linears, attention) are worth the pool and whose many small ones (norms,
     rotary embedding, activations over a few hundred tokens) are not: torch splits any kernel over more than
     32,768 elements across the pool, and with idle pool threads asleep (the wait policy above) each split first
-    wakes one. On the 2-core machine a packed forward of 57 to 300 prompt tokens ran 8 to 19% faster with those
-    kernels inline (bit for bit the same results: they do not reduce across the split); at 512 tokens the pool
-    paid again (``batch.batched_forward`` decides; ``docs/batching.md``). A no-op where torch has no OpenMP, for a
-    pool of one thread, or nested."""
+    wakes one, which costs most where the machine is shared. On the 2-core VM while its host was busy, a packed
+    forward of 57 to 300 prompt tokens ran 8 to 19% faster with those kernels inline; on the quiet host, 0 to 8%
+    slower in the median (the same at best of 25), and the 8-session batched server 2 to 4% faster (bit for bit
+    the same results: the kernels do not reduce across the split; ``batch.inlines_small_kernels`` decides which
+    forwards, ``docs/batching.md``). A no-op where idle pool threads spin
+    (the thread plan's ``inline_small_kernels``: a wait policy other than passive), where torch has no OpenMP, for
+    a pool of one thread, or nested."""
     import torch
 
     setter = _omp_local_setter()
     pool = torch.get_num_threads()  # this thread's count (torch sets a new thread up on first use)
-    if setter is None or pool <= 1 or getattr(_inline, "pool", None) is not None:
+    if not _plan.inline_small_kernels or setter is None or pool <= 1 or getattr(_inline, "pool", None) is not None:
         yield
         return
     _inline.pool = pool

@@ -189,6 +189,16 @@ def test_a_single_forward_elsewhere_keeps_sdpa_semantics(tiny: Engine) -> None:
     assert torch.equal(ref, other)
 
 
+def _inline_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread plan of a process whose pool threads sleep (this test process imported torch first: its plan
+    leaves OpenMP alone and runs nothing inline)."""
+    import dataclasses
+
+    import kamera_engine.threads as threads
+
+    monkeypatch.setattr(threads, "_plan", dataclasses.replace(threads.thread_plan(), inline_small_kernels=True))
+
+
 def _counting_forward(engine: Engine, rows: list[Row], monkeypatch: pytest.MonkeyPatch) -> tuple[list, set, set]:
     """Run ``rows`` in one batched forward, recording the calling thread's OpenMP count inside the big kernels
     (``pooled``: linears and attention) and inside a norm (a small kernel's module)."""
@@ -222,6 +232,7 @@ def test_a_prompt_sized_forward_runs_small_kernels_inline_and_big_ones_on_the_po
     """A forward of a few hundred tokens on a CPU with packed linears runs its norms, rotary embedding and
     activations on the calling thread alone and its linears and attention on the pool, with the same results to
     the bit as with the pool everywhere; a decode step (nothing torch would split) keeps the pool throughout."""
+    _inline_on(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # a pool to leave (OpenMP grants two threads whatever the machine)
     try:
@@ -243,6 +254,7 @@ def test_a_prompt_sized_forward_runs_small_kernels_inline_and_big_ones_on_the_po
         assert all(torch.equal(a, b) for a, b in zip(inline, pooled_out, strict=True))
         decode = [Row.at(RowCache.from_past(_past(engine, 5, 3), engine.num_layers, reserve=1), [7], 5)]
         monkeypatch.undo()
+        _inline_on(monkeypatch)
         _, big, small = _counting_forward(engine, decode, monkeypatch)
         assert small == {2} and big <= {2}
     finally:
@@ -255,6 +267,7 @@ def test_a_prompt_sized_single_forward_runs_small_kernels_inline_too(monkeypatch
     name back afterwards. An eager model is left alone (its mask is built another way)."""
     import kamera_engine.packed_linear as packed_module
 
+    _inline_on(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

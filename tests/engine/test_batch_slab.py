@@ -422,8 +422,22 @@ def test_default_model_mixed_step_is_the_same_with_small_kernels_inline(
     """The real model, a step as a server runs it (slab decode rows, a question after a window, a page after the
     anchor): with its small kernels inline (the default at this size) every logit and every new key and value is
     the one the pool everywhere gives, to the bit."""
+    import dataclasses
+
+    import kamera_engine.threads as threads
+
+    # this test process imported torch first, so its thread plan runs nothing inline: the plan of one that did not
+    monkeypatch.setattr(threads, "_plan", dataclasses.replace(threads.thread_plan(), inline_small_kernels=True))
     engine = default_engine
     assert batch.inlines_small_kernels(engine.model, 6 + 78 + 57)
+    seen: list[int] = []
+    real_pooled = batch.pooled
+
+    def counting(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(int(threads._inline.pool or 0))  # set while the forward's small kernels run inline
+        return real_pooled(fn, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "pooled", counting)
 
     def step() -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
         slab = DecodeSlab()
@@ -443,6 +457,7 @@ def test_default_model_mixed_step_is_the_same_with_small_kernels_inline(
         return outs, [t for x in kv for t in (x.keys, x.values)]
 
     inline_logits, inline_kv = step()
+    assert seen and all(seen)  # the step did run its small kernels inline
     monkeypatch.setattr(batch, "inlines_small_kernels", lambda model, tokens: False)
     pooled_logits, pooled_kv = step()
     assert all(

@@ -37,6 +37,7 @@ def test_default_uses_the_usable_cpus_and_passive_waiting() -> None:
     assert plan["source"] == "auto" and plan["threads"] == auto_threads(available_cpus(), 1e9 if busy else 0.0)[0]
     assert plan["torch"] == plan["threads"] and plan["cpus"] == available_cpus()
     assert plan["wait_env"] == "PASSIVE" and plan["wait_policy"].startswith("passive")
+    assert plan["inline_small_kernels"] is True  # sleeping pool threads: small kernels run inline
 
 
 def test_auto_halves_on_an_oversubscribed_machine() -> None:
@@ -54,14 +55,16 @@ def test_user_choices_win() -> None:
     assert (plan["source"], plan["threads"], plan["torch"]) == ("OMP_NUM_THREADS", 1, 1)
     plan = probe({"OMP_WAIT_POLICY": "ACTIVE"})  # the user's wait policy is kept
     assert plan["wait_env"] == "ACTIVE" and plan["wait_policy"] == "as set: OMP_WAIT_POLICY=ACTIVE"
+    assert plan["inline_small_kernels"] is False  # spinning pool threads wake for free
 
 
 def test_torch_first_or_torch_asked_for_leaves_openmp_alone() -> None:
     plan = probe({}, before="import torch; torch.set_num_threads(1)")
     assert plan["wait_env"] is None and "too late" in plan["wait_policy"]
     assert (plan["source"], plan["threads"]) == ("torch.set_num_threads", 1)
+    assert plan["inline_small_kernels"] is False
     plan = probe({"KAMERA_THREADS": "torch"})
-    assert plan["source"] == "torch" and plan["wait_env"] is None
+    assert plan["source"] == "torch" and plan["wait_env"] is None and plan["inline_small_kernels"] is False
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "many"])
