@@ -10,7 +10,12 @@ attention function splits it by the rows' cumulative lengths:
   in per-layer ``(S, H, C, D)`` buffers) write their new keys and values in place and attend in **one**
   call of the model's attention over the slab, a per-row length mask hiding each row's padding;
 * every other row (a prompt chunk, a window's page, a decode row outside a slab) appends to its own
-  cache and runs the model's own attention on exactly the shapes a single-request forward would use.
+  cache and runs the model's own attention on exactly the shapes a single-request forward would use (on a
+  CPU with SDPA, a masked row calls SDPA itself with grouped heads: the same result, bit for bit, without
+  the model's function repeating the key and value heads).
+
+A forward of a few hundred tokens on a CPU runs its small kernels inline and its linears and attention on the
+thread pool (:func:`inlines_small_kernels`, ``threads.small_kernels_inline``).
 
 See ``docs/batching.md`` for why this layout and what it costs.
 """

@@ -51,6 +51,7 @@ from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
 from .runner import ForwardResult, run_forward
+from .threads import small_kernels_inline
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -469,7 +470,10 @@ class Scheduler:
             self._stepping = None
 
     def _batched_step(self) -> bool:
-        self._admit()
+        # the step's own copies (a request into the slab, a window forward's past into its row) run inline: each
+        # split of one would first wake a sleeping pool thread (``threads.small_kernels_inline``); forwards keep it
+        with small_kernels_inline():
+            self._admit()
         lone = self._lone_window_forward()
         if lone is not None:  # one window forward and nothing else to run: the unbatched path, bit for bit
             self._run_alone(lone)
@@ -477,7 +481,8 @@ class Scheduler:
             return True
         plan = _Plan()
         try:
-            self._plan(plan)
+            with small_kernels_inline():
+                self._plan(plan)
             if not plan.rows and not plan.carried:
                 return False
             self._run_plan(plan)
@@ -502,6 +507,12 @@ class Scheduler:
                 self._run_alone(chunk.item)
             plan.carried = []
         dt = time.perf_counter() - t0
+        with small_kernels_inline():
+            self._hand_out(plan, logits, captured, dt)
+
+    def _hand_out(self, plan: _Plan, logits: list[torch.Tensor | None], captured: Any, dt: float) -> None:
+        """After a step's forward: count it, pick every request's token (one that starts decoding moves into the
+        slab, one that ends leaves it) and finish the window forwards' chunks."""
         self._account(plan, dt)
         for req, lg, finishing in zip(plan.requests, logits, plan.finishing_prompt, strict=False):
             if lg is None:
@@ -608,8 +619,9 @@ class Scheduler:
         self._queue_and_await(self._carried, item, item.finished)
         if item.error is not None:
             raise item.error
-        if item.result is None:  # it ran in steps: its result is put together on this thread
-            return self._carried_result(item)
+        if item.result is None:  # it ran in steps: its result is put together on this thread (copies: inline)
+            with small_kernels_inline():
+                return self._carried_result(item)
         return item.result
 
     def _lone_window_forward(self) -> _Carried | None:

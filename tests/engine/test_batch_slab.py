@@ -465,3 +465,42 @@ def test_default_model_mixed_step_is_the_same_with_small_kernels_inline(
         for a, b in zip(inline_logits, pooled_logits, strict=True)
     )
     assert all(torch.equal(a, b) for a, b in zip(inline_kv, pooled_kv, strict=True))
+
+
+def test_a_steps_own_copies_run_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's own work around a forward (a request's KV into the slab, a finished one out) runs its
+    kernels on the stepping thread alone where pool threads sleep; the forward itself keeps the pool."""
+    import dataclasses
+
+    import kamera_engine.threads as threads
+
+    monkeypatch.setattr(threads, "_plan", dataclasses.replace(threads.thread_plan(), inline_small_kernels=True))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = tiny_engine("llama")
+        counts: dict[str, set[int]] = {"admit": set(), "release": set(), "forward": set()}
+        real_admit, real_release, real_forward = DecodeSlab.admit, DecodeSlab.release, batch.batched_forward
+
+        def admit(self: DecodeSlab, *args: object, **kwargs: object) -> None:
+            counts["admit"].add(torch.get_num_threads())
+            real_admit(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        def release(self: DecodeSlab, *args: object, **kwargs: object) -> None:
+            counts["release"].add(torch.get_num_threads())
+            real_release(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        def forward(*args: object, **kwargs: object) -> object:
+            counts["forward"].add(torch.get_num_threads())
+            return real_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(DecodeSlab, "admit", admit)
+        monkeypatch.setattr(DecodeSlab, "release", release)
+        monkeypatch.setattr("kamera_engine.scheduler.batched_forward", forward)
+        sched = Scheduler(engine)
+        cases = _cases()
+        reqs = [sched.submit(None, p, 0, SamplingParams(**kw)) for p, kw in cases]
+        assert [list(r) for r in reqs] == [_alone(engine, p, kw) for p, kw in cases]
+        assert counts == {"admit": {1}, "release": {1}, "forward": {2}}
+    finally:
+        torch.set_num_threads(before)
