@@ -427,17 +427,7 @@ def _rows_attention(
             rows.masks[mask_key] = mask
         mask = rows.masks[mask_key]
         if direct and mask is not None:
-            q = query[:, :, a:b]
-            out = pooled(
-                F.scaled_dot_product_attention,
-                q,
-                k_all,
-                v_all,
-                attn_mask=mask,
-                scale=kwargs.get("scaling"),
-                enable_gqa=q.shape[1] != k_all.shape[1],
-            )
-            outs[i] = out.transpose(1, 2)
+            outs[i] = _sdpa(query[:, :, a:b], k_all, v_all, mask, kwargs).transpose(1, 2)
         else:
             outs[i], _ = pooled(fn, module, query[:, :, a:b], k_all, v_all, mask, **kwargs)
     parts = [o for o in outs if o is not _COVERED]
@@ -448,6 +438,21 @@ def _rows_attention(
     if len(parts) == 1:  # a step of decode rows only: their block is the whole output
         return parts[0], None  # type: ignore[return-value]
     return torch.cat(parts, dim=1), None  # type: ignore[arg-type]
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """SDPA itself on the thread's pool, with grouped key and value heads and an additive mask: ``(B, H, T, D)``."""
+    return pooled(
+        F.scaled_dot_product_attention,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        scale=kwargs.get("scaling"),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 #: marks a row whose output is part of a block held at an earlier row (``_together_attention``)
@@ -504,15 +509,7 @@ def _together_attention(
     if rows.base == "sdpa" and not (_UNUSUAL & kwargs.keys()):
         # SDPA itself, with grouped heads as the single decode runs them (transformers' wrapper packs the
         # heads differently once a mask is given, which rounds further from the single path)
-        out = pooled(
-            F.scaled_dot_product_attention,
-            q,
-            k_all,
-            v_all,
-            attn_mask=mask,
-            scale=kwargs.get("scaling"),
-            enable_gqa=q.shape[1] != k_all.shape[1],
-        ).transpose(1, 2)
+        out = _sdpa(q, k_all, v_all, mask, kwargs).transpose(1, 2)
     else:
         out, _ = pooled(fn, module, q, k_all, v_all, mask, **kwargs)  # (B, 1, H, D)
     if group.first is not None:  # one block: (B, 1, H, D) is laid out as (1, B, H, D)

@@ -199,13 +199,11 @@ def _inline_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(threads, "_plan", dataclasses.replace(threads.thread_plan(), inline_small_kernels=True))
 
 
-def _counting_forward(engine: Engine, rows: list[Row], monkeypatch: pytest.MonkeyPatch) -> tuple[list, set, set]:
-    """Run ``rows`` in one batched forward, recording the calling thread's OpenMP count inside the big kernels
-    (``pooled``: linears and attention) and inside a norm (a small kernel's module)."""
+def _count_pools(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The calling thread's OpenMP counts inside the big kernels (``pooled``: linears and attention), from now on."""
     import kamera_engine.packed_linear as packed_module
 
     big: set[int] = set()
-    small: set[int] = set()
     real = batch_module.pooled
 
     def spy(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -217,6 +215,14 @@ def _counting_forward(engine: Engine, rows: list[Row], monkeypatch: pytest.Monke
 
     monkeypatch.setattr(batch_module, "pooled", spy)
     monkeypatch.setattr(packed_module, "pooled", spy)
+    return big
+
+
+def _counting_forward(engine: Engine, rows: list[Row], monkeypatch: pytest.MonkeyPatch) -> tuple[list, set, set]:
+    """Run ``rows`` in one batched forward, recording the calling thread's OpenMP count inside the big kernels
+    (``pooled``: linears and attention) and inside a norm (a small kernel's module)."""
+    big = _count_pools(monkeypatch)
+    small: set[int] = set()
     norm = engine.model.model.layers[0].input_layernorm
     hook = norm.register_forward_hook(lambda *_: small.add(torch.get_num_threads()))
     try:
@@ -265,27 +271,14 @@ def test_a_prompt_sized_single_forward_runs_small_kernels_inline_too(monkeypatch
     """``run_forward`` (the unbatched path) of a few hundred tokens does the same: its norms inline, its linears and
     the model's own SDPA function on the pool, every logit and key the same to the bit, and the model's attention
     name back afterwards. An eager model is left alone (its mask is built another way)."""
-    import kamera_engine.packed_linear as packed_module
-
     _inline_on(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         engine = Engine(tiny_model("llama"), None, name="tiny-llama", anchor_ids=ANCHOR)
         past, ids = _past(engine, 9, 1), torch.tensor(random_ids(300, 2))
-        big: set[int] = set()
+        big = _count_pools(monkeypatch)
         small: set[int] = set()
-        real = batch_module.pooled
-
-        def spy(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-            def counted(*a, **k):  # type: ignore[no-untyped-def]
-                big.add(torch.get_num_threads())
-                return fn(*a, **k)
-
-            return real(counted, *args, **kwargs)
-
-        monkeypatch.setattr(batch_module, "pooled", spy)
-        monkeypatch.setattr(packed_module, "pooled", spy)
         norm = engine.model.model.layers[0].input_layernorm
         hook = norm.register_forward_hook(lambda *_: small.add(torch.get_num_threads()))
         try:
