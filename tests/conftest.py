@@ -13,6 +13,10 @@ if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter; 
 
 from kamera_engine import Engine
 
+#: where the tiny engines run: ``KAMERA_TEST_DEVICE=cuda`` runs the tests built on them on a GPU
+#: (docs/batching.md, "On a GPU"); CI has none and runs them on the CPU
+TEST_DEVICE = torch.device(os.environ.get("KAMERA_TEST_DEVICE", "cpu"))
+
 TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -78,7 +82,7 @@ def tiny_chat_engine() -> Engine:
     torch.manual_seed(0)
     cfg = tiny_chat_config(len(tokenizer))
     model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    return Engine(model.eval(), tokenizer, name="tiny-llama-chat")
+    return Engine(model.eval().to(TEST_DEVICE), tokenizer, name="tiny-llama-chat")
 
 
 def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -90,7 +94,7 @@ def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
         for name_, p in model.named_parameters():
             if p.ndim == 2 and "embed" not in name_:
                 p.mul_(4.0)
-    return model.eval()
+    return model.eval().to(TEST_DEVICE)
 
 
 def tiny_engine(name: str, seed: int = 0) -> Engine:

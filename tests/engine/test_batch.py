@@ -12,7 +12,7 @@ from kamera_engine import Engine, InvalidInputError
 from kamera_engine.batch import ROWS_ATTENTION, Row, RowCache, batched_forward, column_logits, packed_length
 from kamera_engine.kv import KV
 from kamera_engine.runner import call_with_cache, run_forward
-from tests.conftest import ANCHOR, random_ids, tiny_model
+from tests.conftest import ANCHOR, TEST_DEVICE, random_ids, tiny_model
 
 #: (past tokens, new tokens) per row: an empty past, decode steps, prompts longer and shorter than pasts
 SHAPES = [(0, 5), (7, 3), (12, 1), (3, 9), (20, 1)]
@@ -69,6 +69,9 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
     """On a CPU with BLAS's linears, a step of 3, 7, 11 or 15 tokens gets one filler token; the filler is
     written to no cache and changes no row's logits. oneDNN's packed linears get no filler."""
     packed = tiny.linear_backend == "onednn"
+    if TEST_DEVICE.type != "cpu":  # a GPU's BLAS needs no filler
+        assert [packed_length(n, tiny.model) for n in (3, 7, 8)] == [3, 7, 8]
+        return
     assert [packed_length(n, tiny.model) for n in (3, 7, 8)] == ([3, 7, 8] if packed else [4, 8, 8])
     tiny = Engine(tiny_model(tiny.name.removeprefix("tiny-")), None, anchor_ids=ANCHOR, linear_backend="native")
     got = [packed_length(n, tiny.model) for n in (1, 2, 3, 5, 7, 8, 11, 13, 15, 19, 40)]
@@ -94,7 +97,7 @@ def test_a_short_step_is_filled_up_and_the_filler_reaches_no_row(tiny: Engine) -
 def test_the_column_head_runs_only_inside_a_batched_forward(tiny: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """On BLAS's linears (``linear_backend="native"``), a batched step of 2-8 rows computes its logits as
     (W @ h^T)^T (within tolerance of the single path); outside a batched forward the head stays nn.Linear's
-    own, bit for bit. A packed head (the CPU default) keeps its own form everywhere."""
+    own, bit for bit. A packed head (the CPU default) keeps its own form everywhere, and so does a head on a GPU."""
     if tiny.linear_backend == "onednn":
         assert type(tiny.model.get_output_embeddings()) is not torch.nn.Linear  # packed: no column form
     tiny = Engine(tiny_model(tiny.name.removeprefix("tiny-")), None, anchor_ids=ANCHOR, linear_backend="native")
@@ -107,15 +110,17 @@ def test_the_column_head_runs_only_inside_a_batched_forward(tiny: Engine, monkey
     monkeypatch.setattr(batch_module, "column_logits", spy)
     rows, refs = _rows_and_singles(tiny, [(7, 1), (12, 1), (20, 1), (3, 1)], seed=90)
     outs = batched_forward(tiny.model, rows)
-    assert calls == [(1, 4, tiny.model.config.hidden_size)]  # the column form ran, once, for the 4 rows
+    # on a CPU the column form ran, once, for the 4 rows
+    column = [(1, 4, tiny.model.config.hidden_size)] if TEST_DEVICE.type == "cpu" else []
+    assert calls == column
     for ref, out in zip(refs, outs, strict=True):
         assert out is not None and (out - ref.logits).abs().max() < TOL
     head = tiny.model.get_output_embeddings()
-    x = torch.randn(1, 3, head.in_features)
-    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias)) and len(calls) == 1
+    x = torch.randn(1, 3, head.in_features, device=head.weight.device)
+    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight, head.bias)) and calls == column
     ten = _rows_and_singles(tiny, [(5, 1)] * 10, seed=95)[0]
     batched_forward(tiny.model, ten)
-    assert len(calls) == 1  # 10 rows: the head's own form
+    assert calls == column  # 10 rows: the head's own form
 
 
 def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
@@ -134,8 +139,8 @@ def test_rows_decode_on_like_the_single_path(tiny: Engine) -> None:
             ref = call_with_cache(
                 tiny.model,
                 single_caches[i],
-                input_ids=torch.tensor([[tokens[i]]]),
-                position_ids=torch.tensor([[pos[i]]]),
+                input_ids=torch.tensor([[tokens[i]]], device=TEST_DEVICE),
+                position_ids=torch.tensor([[pos[i]]], device=TEST_DEVICE),
                 use_cache=True,
             ).logits[0, -1]
             assert out is not None and (out - ref).abs().max() < TOL
@@ -153,14 +158,36 @@ def test_logits_none_and_last_are_per_row(tiny: Engine) -> None:
     assert none is None and last is not None and last.shape == (tiny.vocab_size,)
 
 
-def test_a_failing_forward_leaves_every_row_as_it_was(tiny: Engine) -> None:
+@pytest.mark.parametrize("where", ["embedding", "last layer"])
+def test_a_failing_forward_leaves_every_row_as_it_was(tiny: Engine, where: str) -> None:
+    """A forward that raises in its embedding (an id out of range: an IndexError on a CPU; on CUDA a
+    device-side assert, which the engine's callers rule out by checking ids first) or after every layer but
+    the last wrote its keys leaves every row's cache as it was."""
     good = RowCache.from_past(_past(tiny, 5, 0), tiny.num_layers, reserve=4)
     before = [(k.clone(), v.clone()) for k, v in good.layers()]
-    bad_ids = torch.tensor([tiny.vocab_size + 5])  # out of the embedding: the forward raises
-    with pytest.raises(IndexError):
-        rows = [Row.at(good, random_ids(2, 3), 5), Row.at(RowCache.from_past(None, 2), bad_ids, 0)]
-        batched_forward(tiny.model, rows)
-    assert len(good) == 5
+    other = RowCache.from_past(None, tiny.num_layers)
+    if where == "embedding":
+        if TEST_DEVICE.type != "cpu":
+            pytest.skip("on CUDA an id out of range is a device-side assert (callers check ids first)")
+        expected: type[Exception] = IndexError
+        bad = Row.at(other, [tiny.vocab_size + 5], 0)  # out of the embedding: the forward raises
+        hook = None
+    else:
+        expected = RuntimeError
+        bad = Row.at(other, random_ids(3, 4), 0)
+        last = next(m for m in tiny.model.modules() if getattr(m, "layer_idx", None) == tiny.num_layers - 1)
+
+        def boom(*_: object) -> None:
+            raise RuntimeError("the last layer fails")
+
+        hook = last.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(expected):
+            batched_forward(tiny.model, [Row.at(good, random_ids(2, 3), 5), bad])
+    finally:
+        if hook is not None:
+            hook.remove()
+    assert len(good) == 5 and len(other) == 0
     for (k, v), (k0, v0) in zip(good.layers(), before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
     assert tiny.model.config._attn_implementation == "sdpa"
@@ -242,7 +269,8 @@ def test_a_prompt_sized_forward_runs_small_kernels_inline_and_big_ones_on_the_po
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # a pool to leave (OpenMP grants two threads whatever the machine)
     try:
-        engine = Engine(tiny_model("llama"), None, name="tiny-llama", anchor_ids=ANCHOR)
+        # a CPU's thread pools, whatever device the other tests run on
+        engine = Engine(tiny_model("llama").cpu(), None, name="tiny-llama", anchor_ids=ANCHOR)
         assert batch_module.inlines_small_kernels(engine.model, 300)  # 300 x 128 wide: past torch's grain
         assert not batch_module.inlines_small_kernels(engine.model, 3)
 
@@ -275,7 +303,7 @@ def test_a_prompt_sized_single_forward_runs_small_kernels_inline_too(monkeypatch
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        engine = Engine(tiny_model("llama"), None, name="tiny-llama", anchor_ids=ANCHOR)
+        engine = Engine(tiny_model("llama").cpu(), None, name="tiny-llama", anchor_ids=ANCHOR)  # a CPU's pools
         past, ids = _past(engine, 9, 1), torch.tensor(random_ids(300, 2))
         big = _count_pools(monkeypatch)
         small: set[int] = set()

@@ -24,8 +24,12 @@ class _Single:
         self.logits = res.logits[-1]
 
     def step(self, token: int) -> torch.Tensor:
+        device = self.logits.device
         out = call_with_cache(
-            self.model, self.cache, input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]])
+            self.model,
+            self.cache,
+            input_ids=torch.tensor([[token]], device=device),
+            position_ids=torch.tensor([[self.pos]], device=device),
         )
         self.pos += 1
         self.logits = out.logits[0, -1].float()
@@ -148,6 +152,7 @@ def test_released_with_keep_decodes_on_alone() -> None:
 
 
 def test_a_failing_forward_leaves_slab_rows_as_they_were() -> None:
+    """A forward that fails after every layer but the last wrote the rows' new keys into the slab."""
     engine = tiny_engine("llama")
     slab = DecodeSlab()
     caches = []
@@ -156,9 +161,19 @@ def test_a_failing_forward_leaves_slab_rows_as_they_were() -> None:
         slab.admit(cache, n + 4)
         caches.append(cache)
     before = [[(k.clone(), v.clone()) for k, v in c.layers()] for c in caches]
-    bad = Row.at(RowCache.from_past(None, engine.num_layers), [engine.vocab_size + 3], 0)
-    with pytest.raises(IndexError):
-        batched_forward(engine.model, [Row.at(caches[0], [1], 5), Row.at(caches[1], [2], 8), bad])
+    other = Row.at(RowCache.from_past(None, engine.num_layers), random_ids(3, 150), 0)
+    last = engine.model.model.layers[-1].self_attn
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("the last layer fails")
+
+    hook = last.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="the last layer fails"):
+            batched_forward(engine.model, [Row.at(caches[0], [1], 5), Row.at(caches[1], [2], 8), other])
+    finally:
+        hook.remove()
+    assert len(other.cache) == 0
     for cache, layers in zip(caches, before, strict=True):
         assert len(cache) == len(layers[0][0][0, 0])
         for (k, v), (k0, v0) in zip(cache.layers(), layers, strict=True):
@@ -337,7 +352,10 @@ def test_a_borrowed_row_copies_before_its_first_write() -> None:
     res = run_forward(engine.model, torch.tensor(random_ids(9, 71)), None, 0)
     spare = []
     for layer in res.cache.layers:
-        k, v = (torch.zeros(*t.shape[:2], 16, t.shape[3], dtype=t.dtype) for t in (layer.keys, layer.values))
+        k, v = (
+            torch.zeros(*t.shape[:2], 16, t.shape[3], dtype=t.dtype, device=t.device)
+            for t in (layer.keys, layer.values)
+        )
         k[:, :, :9], v[:, :, :9] = layer.keys, layer.values
         spare.append((k, v))
     layers = [(k[:, :, :9], v[:, :, :9]) for k, v in spare]
