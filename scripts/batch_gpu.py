@@ -1,0 +1,213 @@
+"""Batching on a GPU (docs/batching.md, "On a GPU"): the scheduler's batched steps against one request at a
+time, on random-weight models of real shapes (timing only: random weights never measure fidelity).
+
+Per shape (``--shape``, default ``smollm2-135m`` and ``llama-3.1-8b``, bfloat16 on the first CUDA device):
+
+* ``decode_step_ms``: one decode step of 1, 8 and 32 rows (windows of ``--past`` tokens) in the decode slab
+  as the scheduler runs it, and the single path's decode step (``decode.step_logits`` on a transformers
+  cache, as the one-at-a-time server runs it); ``decode_speedup``: B single steps over one step of B rows;
+* ``serve``: N requests (N in 1, 8, 32; each a prompt of ``--prompt`` tokens after its own past of
+  ``--past``, ``--new`` tokens greedy) submitted together to a ``Scheduler`` driven on a thread of its own,
+  against the same requests through ``Engine.generate_ids`` one after another: tokens/s each way and their
+  ratio, batch sizes, and how many requests' tokens equal their one-at-a-time tokens (bfloat16 GEMMs round
+  by batch shape, and random weights put many logits within a rounding of each other: a count, not a check;
+  the float32 equality is ``KAMERA_TEST_DEVICE=cuda pytest tests/engine/test_batch*.py``);
+* ``driver_thread``: 8 of those requests stepped by the calling thread three times, by a fresh thread each
+  time (twice), and three times by one new thread: what a thread's first run of the step shapes costs.
+
+Each time is the least of ``--repeat`` runs after a warm-up, with the device synchronised. Run on a GPU:
+
+    python scripts/batch_gpu.py --out docs/results/batch-gpu-nvidia-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
+from kamera_engine.decode import SamplingParams, step_logits
+from kamera_engine.scheduler import Scheduler
+from kamera_engine.shapes import random_engine
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    _sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    return [(1000 + 7919 * seed + 31 * t) % vocab for t in range(n)]
+
+
+def decode_steps(engine: Any, past_tokens: int, repeat: int) -> dict[str, Any]:
+    vocab = engine.vocab_size
+    res = engine.forward(_ids(past_tokens, 0, vocab), None, 0, logits="last")
+    past = res.kv
+    out: dict[str, float] = {}
+    for b in (1, 8, 32):
+        caches = [RowCache.from_past(past, engine.num_layers, reserve=2, device=engine.device) for _ in range(b)]
+        slab = DecodeSlab()
+        for c in caches:
+            slab.admit(c, past_tokens + 2)
+        marks = [c.mark() for c in caches]
+
+        def step(caches: list[RowCache] = caches, marks: list[Any] = marks) -> None:
+            for c, m in zip(caches, marks, strict=True):
+                c.rollback(m)
+            batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches])
+
+        out[str(b)] = _best(step, repeat) * 1e3
+        del caches, slab
+    cache = res.cache
+
+    def single() -> None:
+        step_logits(engine.model, cache, 5, past_tokens, engine.device)
+        cache.crop(-1)
+
+    one = _best(single, repeat) * 1e3
+    return {
+        "decode_step_ms": {**out, "single": one},
+        "decode_speedup": {b: int(b) * one / ms for b, ms in out.items()},
+    }
+
+
+def serve(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+    vocab = engine.vocab_size
+    pasts = [engine.forward(_ids(past_tokens, 10 + i, vocab), None, 0, logits="none").kv for i in range(n)]
+    prompts = [_ids(prompt_tokens, 100 + i, vocab) for i in range(n)]
+
+    def params() -> SamplingParams:
+        return SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(vocab + 1,))  # no id ends an answer
+
+    _sync()
+    t0 = time.perf_counter()
+    alone = [list(engine.generate_ids(pasts[i], prompts[i], past_tokens, params())) for i in range(n)]
+    _sync()
+    sequential_s = time.perf_counter() - t0
+
+    sched = Scheduler(engine)
+    sched.start()
+    try:
+        _sync()
+        t0 = time.perf_counter()
+        reqs = [sched.submit(pasts[i], prompts[i], past_tokens, params()) for i in range(n)]
+        batched = [list(r) for r in reqs]
+        _sync()
+        batched_s = time.perf_counter() - t0
+    finally:
+        sched.stop()
+    stats = sched.stats()
+    tokens = sum(len(t) for t in batched)
+    return {
+        "requests": n,
+        "tokens": tokens,
+        "batched_tokens_per_s": tokens / batched_s,
+        "sequential_tokens_per_s": sum(len(t) for t in alone) / sequential_s,
+        "throughput_ratio": sequential_s / batched_s * tokens / max(1, sum(len(t) for t in alone)),
+        "batch_mean": stats.batch_mean,
+        "batch_max": stats.batch_max,
+        "same_tokens": sum(a == b for a, b in zip(alone, batched, strict=True)),
+    }
+
+
+def driver_threads(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+    """Seconds for the same ``n`` requests stepped by the calling thread (``Request`` iteration drives the
+    scheduler), three times; by a fresh thread each time, twice; and three times by one new thread: a thread's
+    first run of the step shapes against its later runs."""
+    vocab = engine.vocab_size
+    pasts = [engine.forward(_ids(past_tokens, 10 + i, vocab), None, 0, logits="none").kv for i in range(n)]
+    prompts = [_ids(prompt_tokens, 100 + i, vocab) for i in range(n)]
+
+    def once() -> float:
+        sched = Scheduler(engine)
+        params = [SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(vocab + 1,)) for _ in range(n)]
+        _sync()
+        t0 = time.perf_counter()
+        reqs = [sched.submit(pasts[i], prompts[i], past_tokens, params[i]) for i in range(n)]
+        for r in reqs:
+            list(r)
+        _sync()
+        return time.perf_counter() - t0
+
+    def on_thread(runs: int) -> list[float]:
+        out: list[float] = []
+        t = threading.Thread(target=lambda: out.extend(once() for _ in range(runs)))
+        t.start()
+        t.join()
+        return out
+
+    return {
+        "calling_thread_s": [once() for _ in range(3)],
+        "fresh_thread_s": [on_thread(1)[0] for _ in range(2)],
+        "one_new_thread_s": on_thread(3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", help="shape name (repeatable; default smollm2-135m, llama-3.1-8b)")
+    ap.add_argument("--past", type=int, default=300)
+    ap.add_argument("--prompt", type=int, default=80)
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--layers", type=int, help="the shapes' first N layers only (a quick check)")
+    ap.add_argument("--device", default="cuda", help="cuda (the figures); cpu only checks that the script runs")
+    ap.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on a CPU")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("scripts/batch_gpu.py needs a CUDA device (torch.cuda.is_available() is False)")
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "past_tokens": args.past,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new,
+        "shapes": {},
+    }
+    for name in args.shape or ["smollm2-135m", "llama-3.1-8b"]:
+        engine = random_engine(name, args.layers, device=args.device, dtype=args.dtype)
+        with torch.inference_mode():
+            entry = decode_steps(engine, args.past, args.repeat)
+        entry["serve"] = {}
+        for n in (1, 8, 32):
+            entry["serve"][str(n)] = serve(engine, n, args.past, args.prompt, args.new)
+            print(name, n, json.dumps(entry["serve"][str(n)]), flush=True)
+        entry["driver_thread"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
+        print(name, "driver thread", json.dumps(entry["driver_thread"]), flush=True)
+        entry["model"] = engine.name
+        entry["dtype"] = str(engine.dtype)
+        result["shapes"][name] = entry
+        print(name, json.dumps({k: v for k, v in entry.items() if k != "serve"}), flush=True)
+        del engine
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    text = json.dumps(result, indent=2)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
