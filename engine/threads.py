@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from .errors import InvalidInputError
@@ -150,13 +150,11 @@ def thread_plan() -> ThreadPlan:
     import torch
 
     if torch.get_num_threads() != _plan.threads:
-        return ThreadPlan(
-            torch.get_num_threads(),
-            _plan.cpus,
-            "changed at run time",
-            _plan.wait_policy,
-            "torch.set_num_threads was called after kamera_engine was imported",
-            _plan.inline_small_kernels,
+        return replace(
+            _plan,
+            threads=torch.get_num_threads(),
+            source="changed at run time",
+            reason="torch.set_num_threads was called after kamera_engine was imported",
         )
     return _plan
 
@@ -169,24 +167,32 @@ def set_threads(n: int) -> ThreadPlan:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidInputError(f"threads must be a positive int, got {n!r}")
     torch.set_num_threads(n)
-    _plan = ThreadPlan(n, _plan.cpus, "set_threads", _plan.wait_policy, f"set_threads({n})", _plan.inline_small_kernels)
+    _plan = replace(_plan, threads=n, source="set_threads", reason=f"set_threads({n})")
     return _plan
 
 
-@functools.cache
-def _mkl_local_setter() -> Any:
-    """MKL's thread-local thread count setter from torch's own library, or None (no MKL in this build)."""
+def _thread_count_setter(name: str, restype: Any) -> Any:
+    """The function ``name`` (one ``int`` argument: a thread count) from the libraries torch's own CPU library
+    links, or None (another platform, or a build without that runtime)."""
     try:
         import ctypes
 
         import torch
 
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        setter = lib.MKL_Set_Num_Threads_Local
-    except (OSError, AttributeError):  # another platform or a build without MKL: nothing to set
+        setter = getattr(lib, name)
+    except (OSError, AttributeError):
         return None
-    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+    setter.argtypes, setter.restype = [ctypes.c_int], restype
     return setter
+
+
+@functools.cache
+def _mkl_local_setter() -> Any:
+    """MKL's thread-local thread count setter from torch's own library, or None (no MKL in this build)."""
+    import ctypes
+
+    return _thread_count_setter("MKL_Set_Num_Threads_Local", ctypes.c_int)
 
 
 @functools.cache
@@ -194,17 +200,7 @@ def _omp_local_setter() -> Any:
     """OpenMP's ``omp_set_num_threads`` from the runtime torch's own library links, or None (a build without
     OpenMP). It sets the calling thread's count only (OpenMP keeps it per thread), unlike ``torch.set_num_threads``,
     which also changes the count every thread started later begins with."""
-    try:
-        import ctypes
-
-        import torch
-
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        setter = lib.omp_set_num_threads  # found in the OpenMP runtime libtorch_cpu depends on
-    except (OSError, AttributeError):
-        return None
-    setter.argtypes, setter.restype = [ctypes.c_int], None
-    return setter
+    return _thread_count_setter("omp_set_num_threads", None)
 
 
 #: per thread: its pool's thread count while :func:`small_kernels_inline` runs its small kernels on it alone
