@@ -458,6 +458,22 @@ def _sdpa(
 #: marks a row whose output is part of a block held at an earlier row (``_together_attention``)
 _COVERED = torch.empty(0)
 
+#: decode rows in a slab attend a key length rounded up to a multiple of this on the devices in
+#: ``KEY_BUCKET_DEVICES``: on a CUDA GPU of compute capability 9.0 or 10.x, recent PyTorch puts cuDNN first among
+#: SDPA's backends, and cuDNN's attention builds a graph per shape and caches it per thread, so a key length that grows
+#: by one every step would build a graph every step (``docs/batching.md``, "On a GPU"). The extra keys are the
+#: slab's own padding, hidden by the mask; on a CPU they would only be read for nothing
+KEY_BUCKET = 64
+KEY_BUCKET_DEVICES = frozenset({"cuda"})
+
+
+def attended_keys(longest: int, capacity: int, device: torch.device) -> int:
+    """The key length the slab's decode rows attend: ``longest`` (the longest row's keys, its new one included),
+    rounded up to a multiple of ``KEY_BUCKET`` on the devices in ``KEY_BUCKET_DEVICES``, never past ``capacity``."""
+    if device.type not in KEY_BUCKET_DEVICES:
+        return longest
+    return min(capacity, -(-longest // KEY_BUCKET) * KEY_BUCKET)
+
 
 #: attention keywords the direct SDPA call does not honour: those calls go through the model's own function
 _UNUSUAL = frozenset({"softcap", "position_bias", "s_aux", "sinks", "output_attentions", "head_mask"})
@@ -475,8 +491,8 @@ def _together_attention(
     kwargs: dict[str, Any],
 ) -> None:
     """One attention call for the slab's decode rows: each row's new key and value are written in place
-    at its own length, then a ``(B, H, L_max, D)`` view of the slab is attended with a mask that shows
-    each row its own ``length + 1`` keys."""
+    at its own length, then a ``(B, H, L, D)`` view of the slab is attended with a mask that shows each row its
+    own ``length + 1`` keys (``L``: the longest row's, rounded up where :func:`attended_keys` says)."""
     group = rows.together
     assert group is not None
     slab, pasts, n = group.slab, group.pasts, len(group.members)
@@ -484,6 +500,7 @@ def _together_attention(
     if longest > slab.capacity:
         slab.reserve(longest)
     k_buf, v_buf = slab._keys[layer], slab._values[layer]
+    span = attended_keys(longest, slab.capacity, k_buf.device)  # keys past a row's own are masked
     if group.first is not None:  # the rows' tokens are consecutive in the packed sequence, in slot order: views
         a = group.first
         q = query[0, :, a : a + n].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
@@ -496,13 +513,13 @@ def _together_attention(
     for i, p in zip(group.members, pasts, strict=True):
         rows.caches[i]._filled[layer] = p + 1
     if group.in_place:
-        k_all, v_all = k_buf[:n, :, :longest], v_buf[:n, :, :longest]
+        k_all, v_all = k_buf[:n, :, :span], v_buf[:n, :, :span]
     else:
-        k_all = k_buf.index_select(0, group.slots)[:, :, :longest]
-        v_all = v_buf.index_select(0, group.slots)[:, :, :longest]
+        k_all = k_buf.index_select(0, group.slots)[:, :, :span]
+        v_all = v_buf.index_select(0, group.slots)[:, :, :span]
     mask = group.masks.get(query.dtype)
     if mask is None:  # additive, once per forward: SDPA would turn a boolean mask into this in every layer
-        allowed = (torch.arange(longest, device=k_buf.device)[None, :] <= group.where[:, None])[:, None, None, :]
+        allowed = (torch.arange(span, device=k_buf.device)[None, :] <= group.where[:, None])[:, None, None, :]
         fill = torch.finfo(query.dtype).min if rows.base == "eager" else float("-inf")  # -inf: SDPA's own fill
         mask = torch.zeros(allowed.shape, dtype=query.dtype, device=k_buf.device).masked_fill(~allowed, fill)
         group.masks[query.dtype] = mask

@@ -132,6 +132,41 @@ def test_a_subset_of_the_slab_and_a_slab_that_grows() -> None:
     _check(out, ref.step(token))
 
 
+def test_attended_keys_round_up_to_a_bucket_on_the_bucketed_devices_only() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert batch.attended_keys(65, 256, cpu) == 65  # nothing gained from reading the padding on a CPU
+    assert [batch.attended_keys(n, 256, cuda) for n in (1, 64, 65, 130)] == [64, 64, 128, 192]
+    assert batch.attended_keys(200, 200, cuda) == 200  # never past the slab's capacity
+
+
+def test_bucketed_key_lengths_decode_like_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows attending a bucketed key length (the slab's padding masked) still equal their single decodes, and
+    every attention call reads whole buckets."""
+    monkeypatch.setattr(batch, "KEY_BUCKET", 16)
+    monkeypatch.setattr(batch, "KEY_BUCKET_DEVICES", frozenset({"cpu", "cuda"}))
+    spans: list[int] = []
+    sdpa = batch._sdpa
+    monkeypatch.setattr(batch, "_sdpa", lambda q, k, v, mask, kw: spans.append(k.shape[2]) or sdpa(q, k, v, mask, kw))
+    engine = tiny_engine("llama")
+    prompts = [random_ids(n, 40 + n) for n in (5, 13, 20)]
+    slab = DecodeSlab()
+    rows, refs, tokens = [], [], []
+    for p in prompts:
+        cache, _ = _prefilled(engine, p, 16)
+        slab.admit(cache, len(p) + 16)
+        rows.append(cache)
+        refs.append(_Single(engine, p))
+        tokens.append(int(refs[-1].logits.argmax()))
+    for _ in range(6):  # the longest row's keys go from 21 to 26: one bucket of 32
+        outs = batched_forward(
+            engine.model, [Row.at(c, [t], r.pos) for c, t, r in zip(rows, tokens, refs, strict=True)]
+        )
+        for i, out in enumerate(outs):
+            _check(out, refs[i].step(tokens[i]))
+            tokens[i] = int(refs[i].logits.argmax())
+    assert spans and set(spans) == {32}
+
+
 def test_released_with_keep_decodes_on_alone() -> None:
     engine = tiny_engine("llama")
     slab = DecodeSlab()
