@@ -3,6 +3,8 @@ rows of different lengths, rows joining and leaving, the slab growing, and promp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -49,27 +51,36 @@ def _check(out: torch.Tensor | None, ref: torch.Tensor) -> None:
     assert int(out.argmax()) == int(ref.argmax())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gpt_neox"])
-def test_slab_rows_of_different_lengths_decode_like_alone(family: str) -> None:
-    engine = tiny_engine(family)
-    prompts = [random_ids(n, 30 + n) for n in (3, 17, 8, 29)]
+def _decode_in_slab(
+    engine: Engine, prompts: list[list[int]], steps: int, check: Callable[[torch.Tensor | None, torch.Tensor], None]
+) -> list[RowCache]:
+    """Prefill each prompt into a row of one slab, then decode ``steps`` greedy tokens of every row in one forward
+    each, ``check``-ing each row's logits against the same request decoded alone; returns the rows."""
     slab = DecodeSlab()
     rows, refs, tokens = [], [], []
     for p in prompts:
-        cache, logits = _prefilled(engine, p, 8)
-        slab.admit(cache, len(p) + 8)
+        cache, logits = _prefilled(engine, p, steps + 3)
+        slab.admit(cache, len(p) + steps + 3)
         rows.append(cache)
         refs.append(_Single(engine, p))
-        _check(logits, refs[-1].logits)
+        check(logits, refs[-1].logits)
         tokens.append(int(refs[-1].logits.argmax()))
-    assert len(slab) == 4 and all(c.slab is slab for c in rows)
-    for _ in range(5):
+    assert len(slab) == len(prompts) and all(c.slab is slab for c in rows)
+    for _ in range(steps):
         outs = batched_forward(
             engine.model, [Row.at(c, [t], r.pos) for c, t, r in zip(rows, tokens, refs, strict=True)]
         )
         for i, out in enumerate(outs):
-            _check(out, refs[i].step(tokens[i]))
+            check(out, refs[i].step(tokens[i]))
             tokens[i] = int(refs[i].logits.argmax())
+    return rows
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gpt_neox"])
+def test_slab_rows_of_different_lengths_decode_like_alone(family: str) -> None:
+    engine = tiny_engine(family)
+    prompts = [random_ids(n, 30 + n) for n in (3, 17, 8, 29)]
+    rows = _decode_in_slab(engine, prompts, 5, _check)
     assert [len(c) for c in rows] == [len(p) + 5 for p in prompts]
 
 
@@ -147,23 +158,8 @@ def test_bucketed_key_lengths_decode_like_alone(monkeypatch: pytest.MonkeyPatch)
     spans: list[int] = []
     sdpa = batch._sdpa
     monkeypatch.setattr(batch, "_sdpa", lambda q, k, v, mask, kw: spans.append(k.shape[2]) or sdpa(q, k, v, mask, kw))
-    engine = tiny_engine("llama")
     prompts = [random_ids(n, 40 + n) for n in (5, 13, 20)]
-    slab = DecodeSlab()
-    rows, refs, tokens = [], [], []
-    for p in prompts:
-        cache, _ = _prefilled(engine, p, 16)
-        slab.admit(cache, len(p) + 16)
-        rows.append(cache)
-        refs.append(_Single(engine, p))
-        tokens.append(int(refs[-1].logits.argmax()))
-    for _ in range(6):  # the longest row's keys go from 21 to 26: one bucket of 32
-        outs = batched_forward(
-            engine.model, [Row.at(c, [t], r.pos) for c, t, r in zip(rows, tokens, refs, strict=True)]
-        )
-        for i, out in enumerate(outs):
-            _check(out, refs[i].step(tokens[i]))
-            tokens[i] = int(refs[i].logits.argmax())
+    _decode_in_slab(tiny_engine("llama"), prompts, 6, _check)  # the longest row's keys: 21 to 26, one bucket of 32
     assert spans and set(spans) == {32}
 
 
@@ -360,25 +356,14 @@ def test_default_model_slab_rows_match_alone(default_engine: Engine) -> None:
     the request decoded alone and the greedy tokens identical."""
     engine = default_engine
     prompts = [random_ids(n, 500 + n, vocab=engine.vocab_size) for n in (12, 40, 25, 70, 33, 9, 55, 18)]
-    slab = DecodeSlab()
-    rows, refs, tokens = [], [], []
-    for p in prompts:
-        cache, _ = _prefilled(engine, p, 8)
-        slab.admit(cache, len(p) + 8)
-        rows.append(cache)
-        refs.append(_Single(engine, p))
-        tokens.append(int(refs[-1].logits.argmax()))
-    for _ in range(6):
-        outs = batched_forward(
-            engine.model, [Row.at(c, [t], r.pos) for c, t, r in zip(rows, tokens, refs, strict=True)]
-        )
-        for i, out in enumerate(outs):
-            ref = refs[i].step(tokens[i])
-            assert out is not None
-            gap = (torch.log_softmax(out, -1) - torch.log_softmax(ref, -1)).abs().max()
-            assert gap < TOL
-            assert int(out.argmax()) == int(ref.argmax())
-            tokens[i] = int(ref.argmax())
+
+    def check(out: torch.Tensor | None, ref: torch.Tensor) -> None:
+        assert out is not None
+        gap = (torch.log_softmax(out.float(), -1) - torch.log_softmax(ref.float(), -1)).abs().max()
+        assert gap < TOL
+        assert int(out.argmax()) == int(ref.argmax())
+
+    _decode_in_slab(engine, prompts, 6, check)
 
 
 def test_a_borrowed_row_copies_before_its_first_write() -> None:
