@@ -91,13 +91,23 @@ def decode_steps(engine: Any, past_tokens: int, repeat: int) -> dict[str, Any]:
     }
 
 
-def serve(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+def _requests(engine: Any, n: int, past_tokens: int, prompt_tokens: int) -> tuple[list[Any], list[list[int]]]:
+    """``n`` requests' pasts (prefilled) and prompts, each its own tokens."""
     vocab = engine.vocab_size
     pasts = [engine.forward(_ids(past_tokens, 10 + i, vocab), None, 0, logits="none").kv for i in range(n)]
-    prompts = [_ids(prompt_tokens, 100 + i, vocab) for i in range(n)]
+    return pasts, [_ids(prompt_tokens, 100 + i, vocab) for i in range(n)]
+
+
+def _greedy(engine: Any, new_tokens: int) -> SamplingParams:
+    """``new_tokens`` greedy tokens that no id ends early."""
+    return SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(engine.vocab_size + 1,))
+
+
+def serve(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+    pasts, prompts = _requests(engine, n, past_tokens, prompt_tokens)
 
     def params() -> SamplingParams:
-        return SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(vocab + 1,))  # no id ends an answer
+        return _greedy(engine, new_tokens)
 
     _sync()
     t0 = time.perf_counter()
@@ -134,13 +144,11 @@ def driver_threads(engine: Any, n: int, past_tokens: int, prompt_tokens: int, ne
     """Seconds for the same ``n`` requests stepped by the calling thread (``Request`` iteration drives the
     scheduler), three times; by a fresh thread each time, twice; and three times by one new thread: a thread's
     first run of the step shapes against its later runs."""
-    vocab = engine.vocab_size
-    pasts = [engine.forward(_ids(past_tokens, 10 + i, vocab), None, 0, logits="none").kv for i in range(n)]
-    prompts = [_ids(prompt_tokens, 100 + i, vocab) for i in range(n)]
+    pasts, prompts = _requests(engine, n, past_tokens, prompt_tokens)
 
     def once() -> float:
         sched = Scheduler(engine)
-        params = [SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(vocab + 1,)) for _ in range(n)]
+        params = [_greedy(engine, new_tokens) for _ in range(n)]
         _sync()
         t0 = time.perf_counter()
         reqs = [sched.submit(pasts[i], prompts[i], past_tokens, params[i]) for i in range(n)]
