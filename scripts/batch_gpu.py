@@ -13,7 +13,12 @@ Per shape (``--shape``, default ``smollm2-135m`` and ``llama-3.1-8b``, bfloat16 
   by batch shape, and random weights put many logits within a rounding of each other: a count, not a check;
   the float32 equality is ``KAMERA_TEST_DEVICE=cuda pytest tests/engine/test_batch*.py``);
 * ``driver_thread``: 8 of those requests stepped by the calling thread three times, by a fresh thread each
-  time (twice), and three times by one new thread: what a thread's first run of the step shapes costs.
+  time (twice), and three times by one new thread: what a thread's first run of the step shapes costs; with the
+  slab's key lengths in buckets (``batch.KEY_BUCKET_DEVICES``, the default) and, as ``driver_thread_exact``, without;
+* ``served_ab``: the batched arm alone of 8 requests, key lengths in buckets against exact, alternating
+  (``--ab-rounds`` rounds, the order swapped every round), each run on a fresh scheduler thread: tokens/s;
+* ``step_kernels``: the GPU kernels of one slab decode step of 8 rows, most time first (which attention
+  backend SDPA picked).
 
 Each time is the least of ``--repeat`` runs after a warm-up, with the device synchronised. Run on a GPU:
 
@@ -26,12 +31,14 @@ import argparse
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kamera_engine import batch
 from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
 from kamera_engine.decode import SamplingParams, step_logits
 from kamera_engine.scheduler import Scheduler
@@ -91,6 +98,43 @@ def decode_steps(engine: Any, past_tokens: int, repeat: int) -> dict[str, Any]:
     }
 
 
+def step_kernels(engine: Any, past_tokens: int, rows: int = 8, top: int = 12) -> list[dict[str, Any]]:
+    """The GPU kernels of one slab decode step of ``rows`` rows, most time first: which backend SDPA ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res = engine.forward(_ids(past_tokens, 0, engine.vocab_size), None, 0, logits="none")
+    caches = [RowCache.from_past(res.kv, engine.num_layers, reserve=2, device=engine.device) for _ in range(rows)]
+    slab = DecodeSlab()
+    for c in caches:
+        slab.admit(c, past_tokens + 2)
+    marks = [c.mark() for c in caches]
+
+    def step() -> None:
+        for c, m in zip(caches, marks, strict=True):
+            c.rollback(m)
+        batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches])
+
+    step()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [{"kernel": e.key[:160], "calls": e.count, "us": e.device_time_total} for e in events[:top]]
+
+
+@contextmanager
+def _exact_key_lengths() -> Iterator[None]:
+    """The slab's decode rows attend exactly their longest row's keys (no buckets) inside the block."""
+    kept = batch.KEY_BUCKET_DEVICES
+    batch.KEY_BUCKET_DEVICES = frozenset()
+    try:
+        yield
+    finally:
+        batch.KEY_BUCKET_DEVICES = kept
+
+
 def _requests(engine: Any, n: int, past_tokens: int, prompt_tokens: int) -> tuple[list[Any], list[list[int]]]:
     """``n`` requests' pasts (prefilled) and prompts, each its own tokens."""
     vocab = engine.vocab_size
@@ -140,6 +184,37 @@ def serve(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens:
     }
 
 
+def served_ab(
+    engine: Any, n: int, rounds: int, past_tokens: int, prompt_tokens: int, new_tokens: int
+) -> dict[str, Any]:
+    """Tokens/s of ``n`` requests through a fresh ``Scheduler`` thread each run, the slab's key lengths in buckets
+    (the default) against exact, alternating, the order swapped every round (the first round pays the warm-up)."""
+    pasts, prompts = _requests(engine, n, past_tokens, prompt_tokens)
+
+    def once() -> float:
+        sched = Scheduler(engine)
+        sched.start()
+        try:
+            _sync()
+            t0 = time.perf_counter()
+            reqs = [sched.submit(pasts[i], prompts[i], past_tokens, _greedy(engine, new_tokens)) for i in range(n)]
+            tokens = sum(len(list(r)) for r in reqs)
+            _sync()
+            return tokens / (time.perf_counter() - t0)
+        finally:
+            sched.stop()
+
+    out: dict[str, list[float]] = {"bucketed": [], "exact": []}
+    for r in range(rounds):
+        for mode in ("bucketed", "exact") if r % 2 == 0 else ("exact", "bucketed"):
+            if mode == "exact":
+                with _exact_key_lengths():
+                    out[mode].append(once())
+            else:
+                out[mode].append(once())
+    return {"requests": n, "tokens_per_s": out}
+
+
 def driver_threads(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
     """Seconds for the same ``n`` requests stepped by the calling thread (``Request`` iteration drives the
     scheduler), three times; by a fresh thread each time, twice; and three times by one new thread: a thread's
@@ -178,6 +253,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=80)
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--serve", default="1,8,32", help="the serve part's request counts, comma-separated")
+    ap.add_argument("--serve-exact", default="8", help="request counts served again with exact key lengths")
+    ap.add_argument("--no-driver-thread", action="store_true", help="skip the driver-thread part")
+    ap.add_argument("--ab-rounds", type=int, default=4, help="rounds of the served A/B (0: skip it)")
     ap.add_argument("--layers", type=int, help="the shapes' first N layers only (a quick check)")
     ap.add_argument("--device", default="cuda", help="cuda (the figures); cpu only checks that the script runs")
     ap.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on a CPU")
@@ -197,12 +276,31 @@ def main() -> None:
         engine = random_engine(name, args.layers, device=args.device, dtype=args.dtype)
         with torch.inference_mode():
             entry = decode_steps(engine, args.past, args.repeat)
+            if args.device == "cuda":
+                entry["step_kernels"] = step_kernels(engine, args.past)
+                print(name, "step kernels", json.dumps(entry["step_kernels"]), flush=True)
         entry["serve"] = {}
-        for n in (1, 8, 32):
+        for n in (int(x) for x in args.serve.split(",")):
             entry["serve"][str(n)] = serve(engine, n, args.past, args.prompt, args.new)
             print(name, n, json.dumps(entry["serve"][str(n)]), flush=True)
+        entry["serve_exact"] = {}
+        for n in (int(x) for x in args.serve_exact.split(",") if x):
+            with _exact_key_lengths():
+                entry["serve_exact"][str(n)] = serve(engine, n, args.past, args.prompt, args.new)
+            print(name, n, "exact key lengths", json.dumps(entry["serve_exact"][str(n)]), flush=True)
+        if args.ab_rounds:
+            entry["served_ab"] = served_ab(engine, 8, args.ab_rounds, args.past, args.prompt, args.new)
+            print(name, "served A/B", json.dumps(entry["served_ab"]), flush=True)
+        if args.no_driver_thread:
+            entry["model"], entry["dtype"] = engine.name, str(engine.dtype)
+            result["shapes"][name] = entry
+            del engine
+            continue
         entry["driver_thread"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
         print(name, "driver thread", json.dumps(entry["driver_thread"]), flush=True)
+        with _exact_key_lengths():
+            entry["driver_thread_exact"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
+        print(name, "driver thread, exact key lengths", json.dumps(entry["driver_thread_exact"]), flush=True)
         entry["model"] = engine.name
         entry["dtype"] = str(engine.dtype)
         result["shapes"][name] = entry
