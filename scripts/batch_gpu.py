@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from kamera_engine import batch
-from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
 from kamera_engine.decode import SamplingParams, step_logits
 from kamera_engine.scheduler import Scheduler
 from kamera_engine.shapes import random_engine
+from kamera_sdk.bench.serve import repeated_decode_step
 
 
 def _sync() -> None:
@@ -70,21 +70,7 @@ def decode_steps(engine: Any, past_tokens: int, repeat: int) -> dict[str, Any]:
     vocab = engine.vocab_size
     res = engine.forward(_ids(past_tokens, 0, vocab), None, 0, logits="last")
     past = res.kv
-    out: dict[str, float] = {}
-    for b in (1, 8, 32):
-        caches = [RowCache.from_past(past, engine.num_layers, reserve=2, device=engine.device) for _ in range(b)]
-        slab = DecodeSlab()
-        for c in caches:
-            slab.admit(c, past_tokens + 2)
-        marks = [c.mark() for c in caches]
-
-        def step(caches: list[RowCache] = caches, marks: list[Any] = marks) -> None:
-            for c, m in zip(caches, marks, strict=True):
-                c.rollback(m)
-            batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches])
-
-        out[str(b)] = _best(step, repeat) * 1e3
-        del caches, slab
+    out = {str(b): _best(repeated_decode_step(engine, past, past_tokens, b), repeat) * 1e3 for b in (1, 8, 32)}
     cache = res.cache
 
     def single() -> None:
@@ -102,18 +88,8 @@ def step_kernels(engine: Any, past_tokens: int, rows: int = 8, top: int = 12) ->
     """The GPU kernels of one slab decode step of ``rows`` rows, most time first: which backend SDPA ran."""
     from torch.profiler import ProfilerActivity, profile
 
-    res = engine.forward(_ids(past_tokens, 0, engine.vocab_size), None, 0, logits="none")
-    caches = [RowCache.from_past(res.kv, engine.num_layers, reserve=2, device=engine.device) for _ in range(rows)]
-    slab = DecodeSlab()
-    for c in caches:
-        slab.admit(c, past_tokens + 2)
-    marks = [c.mark() for c in caches]
-
-    def step() -> None:
-        for c, m in zip(caches, marks, strict=True):
-            c.rollback(m)
-        batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches])
-
+    past = engine.forward(_ids(past_tokens, 0, engine.vocab_size), None, 0, logits="none").kv
+    step = repeated_decode_step(engine, past, past_tokens, rows)
     step()
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -28,13 +28,13 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from kamera_engine import Engine
+from kamera_engine import KV, Engine
 
 from ..server.loadgen import run_together
 
@@ -174,6 +174,29 @@ def _best(fn: Any, repeat: int) -> float:
     return min(times)
 
 
+def repeated_decode_step(
+    engine: Engine, past: KV, past_tokens: int, rows: int, *, slabbed: bool = True
+) -> Callable[[], None]:
+    """A decode step of ``rows`` rows, each after ``past`` (``past_tokens`` long), as the scheduler runs it: the
+    rows in a decode slab, or (``slabbed=False``) each attending its own cache. Every call rolls the rows back
+    first, so the same step can be timed again and again."""
+    from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
+
+    caches = [RowCache.from_past(past, engine.num_layers, reserve=2, device=engine.device) for _ in range(rows)]
+    slab = DecodeSlab()
+    if slabbed:
+        for c in caches:
+            slab.admit(c, past_tokens + 2)
+    marks = [c.mark() for c in caches]
+
+    def step() -> None:
+        for c, m in zip(caches, marks, strict=True):
+            c.rollback(m)
+        batched_forward(engine.model, [Row.at(c, [5], past_tokens) for c in caches])
+
+    return step
+
+
 def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, repeat: int = 5) -> dict[str, Any]:
     """What batching can gain on this machine: seconds of one decode step of 1, 8 and 32 rows (each row a
     window of ``past_tokens``) with the rows in a decode slab as the scheduler runs them, the same with each
@@ -182,25 +205,13 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
     ``repeat`` timed steps (a shared machine's noise only ever adds time)."""
     import torch
 
-    from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
+    from kamera_engine.batch import Row, RowCache, batched_forward
 
     ids = [int(t) % engine.vocab_size for t in range(100, 100 + past_tokens)]
     past = engine.forward(ids, None, 0, logits="none").kv
 
     def decode_step(b: int, slabbed: bool) -> float:
-        caches = [RowCache.from_past(past, engine.num_layers, reserve=2) for _ in range(b)]
-        slab = DecodeSlab()
-        if slabbed:
-            for c in caches:
-                slab.admit(c, past_tokens + 2)
-        marks = [c.mark() for c in caches]
-
-        def step() -> None:
-            for c, m in zip(caches, marks, strict=True):
-                c.rollback(m)
-            batched_forward(engine.model, [Row.at(x, [5], past_tokens) for x in caches])
-
-        return _best(step, repeat)
+        return _best(repeated_decode_step(engine, past, past_tokens, b, slabbed=slabbed), repeat)
 
     decode_s = {str(b): decode_step(b, True) for b in (1, 8, 32)}
     per_row_s = {str(b): decode_step(b, False) for b in (1, 8, 32)}
