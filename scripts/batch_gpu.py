@@ -123,30 +123,38 @@ def _greedy(engine: Any, new_tokens: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(engine.vocab_size + 1,))
 
 
-def serve(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
-    pasts, prompts = _requests(engine, n, past_tokens, prompt_tokens)
-
-    def params() -> SamplingParams:
-        return _greedy(engine, new_tokens)
-
-    _sync()
-    t0 = time.perf_counter()
-    alone = [list(engine.generate_ids(pasts[i], prompts[i], past_tokens, params())) for i in range(n)]
-    _sync()
-    sequential_s = time.perf_counter() - t0
-
+def _scheduled(
+    engine: Any, pasts: list[Any], prompts: list[list[int]], past_tokens: int, new_tokens: int
+) -> tuple[list[list[int]], float, Any]:
+    """The requests submitted together to a ``Scheduler`` driven on a fresh thread of its own: their greedy
+    answers, the seconds until the last one ended, and the scheduler's stats."""
     sched = Scheduler(engine)
     sched.start()
     try:
         _sync()
         t0 = time.perf_counter()
-        reqs = [sched.submit(pasts[i], prompts[i], past_tokens, params()) for i in range(n)]
-        batched = [list(r) for r in reqs]
+        reqs = [
+            sched.submit(p, q, past_tokens, _greedy(engine, new_tokens)) for p, q in zip(pasts, prompts, strict=True)
+        ]
+        answers = [list(r) for r in reqs]
         _sync()
-        batched_s = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
     finally:
         sched.stop()
-    stats = sched.stats()
+    return answers, seconds, sched.stats()
+
+
+def serve(engine: Any, n: int, past_tokens: int, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+    pasts, prompts = _requests(engine, n, past_tokens, prompt_tokens)
+    _sync()
+    t0 = time.perf_counter()
+    alone = [
+        list(engine.generate_ids(pasts[i], prompts[i], past_tokens, _greedy(engine, new_tokens))) for i in range(n)
+    ]
+    _sync()
+    sequential_s = time.perf_counter() - t0
+
+    batched, batched_s, stats = _scheduled(engine, pasts, prompts, past_tokens, new_tokens)
     tokens = sum(len(t) for t in batched)
     return {
         "requests": n,
@@ -168,17 +176,8 @@ def served_ab(
     pasts, prompts = _requests(engine, n, past_tokens, prompt_tokens)
 
     def once() -> float:
-        sched = Scheduler(engine)
-        sched.start()
-        try:
-            _sync()
-            t0 = time.perf_counter()
-            reqs = [sched.submit(pasts[i], prompts[i], past_tokens, _greedy(engine, new_tokens)) for i in range(n)]
-            tokens = sum(len(list(r)) for r in reqs)
-            _sync()
-            return tokens / (time.perf_counter() - t0)
-        finally:
-            sched.stop()
+        answers, seconds, _ = _scheduled(engine, pasts, prompts, past_tokens, new_tokens)
+        return sum(len(a) for a in answers) / seconds
 
     out: dict[str, list[float]] = {"bucketed": [], "exact": []}
     for r in range(rounds):
@@ -267,16 +266,12 @@ def main() -> None:
         if args.ab_rounds:
             entry["served_ab"] = served_ab(engine, 8, args.ab_rounds, args.past, args.prompt, args.new)
             print(name, "served A/B", json.dumps(entry["served_ab"]), flush=True)
-        if args.no_driver_thread:
-            entry["model"], entry["dtype"] = engine.name, str(engine.dtype)
-            result["shapes"][name] = entry
-            del engine
-            continue
-        entry["driver_thread"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
-        print(name, "driver thread", json.dumps(entry["driver_thread"]), flush=True)
-        with _exact_key_lengths():
-            entry["driver_thread_exact"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
-        print(name, "driver thread, exact key lengths", json.dumps(entry["driver_thread_exact"]), flush=True)
+        if not args.no_driver_thread:
+            entry["driver_thread"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
+            print(name, "driver thread", json.dumps(entry["driver_thread"]), flush=True)
+            with _exact_key_lengths():
+                entry["driver_thread_exact"] = driver_threads(engine, 8, args.past, args.prompt, args.new)
+            print(name, "driver thread, exact key lengths", json.dumps(entry["driver_thread_exact"]), flush=True)
         entry["model"] = engine.name
         entry["dtype"] = str(engine.dtype)
         result["shapes"][name] = entry
