@@ -32,7 +32,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +182,7 @@ def served_ab(
     out: dict[str, list[float]] = {"bucketed": [], "exact": []}
     for r in range(rounds):
         for mode in ("bucketed", "exact") if r % 2 == 0 else ("exact", "bucketed"):
-            if mode == "exact":
-                with _exact_key_lengths():
-                    out[mode].append(once())
-            else:
+            with _exact_key_lengths() if mode == "exact" else nullcontext():
                 out[mode].append(once())
     return {"requests": n, "tokens_per_s": out}
 
@@ -229,7 +226,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--serve", default="1,8,32", help="the serve part's request counts, comma-separated")
-    ap.add_argument("--serve-exact", default="8", help="request counts served again with exact key lengths")
+    ap.add_argument(
+        "--serve-exact", default="", help="request counts served again with exact key lengths (served_ab is the A/B)"
+    )
     ap.add_argument("--no-driver-thread", action="store_true", help="skip the driver-thread part")
     ap.add_argument("--ab-rounds", type=int, default=4, help="rounds of the served A/B (0: skip it)")
     ap.add_argument("--layers", type=int, help="the shapes' first N layers only (a quick check)")
