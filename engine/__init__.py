@@ -11,7 +11,7 @@ from . import threads as threads  # first: sets OpenMP's wait policy before torc
 from . import vision  # noqa: F401  (registers the vision families' engine with the loader)
 from .adapters import ADAPTERS, ModelAdapter, adapter_for, register
 from .constrained import Grammar
-from .decode import SamplingParams, TextStream
+from .decode import AsyncTextStream, SamplingParams, TextStream
 from .default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, kamera_home
 from .engine import Engine, EngineCounters, EngineInfo
 from .errors import (
@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "INSTALL_HINT",
     "KV",
+    "AsyncTextStream",
     "CapacityError",
     "ChecksumError",
     "ChunkNotFoundError",

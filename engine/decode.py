@@ -6,8 +6,9 @@ It continues from a transformers cache built over an assembled window, with expl
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -147,6 +148,53 @@ def cached_tokens(cache: object) -> int:
 FinishReason = Literal["stop", "length"]
 
 
+class _Pieces:
+    """An answer's text, token by token: what ``TextStream`` and ``AsyncTextStream`` emit. A piece is
+    emitted once it cannot be the start of a stop string and holds no partial UTF-8 character; EOS or a
+    stop string ends the answer (the stop string is not emitted)."""
+
+    def __init__(self, tokenizer: object, params: SamplingParams) -> None:
+        self.finish_reason: FinishReason | None = None
+        self.ended = False  # EOS or a stop string: read no further tokens
+        self._decode = tokenizer.decode  # type: ignore[attr-defined]
+        self._params = params
+        self._ids: list[int] = []
+        self._emitted = 0
+        self._cut = False  # a stop string cut the text: nothing follows
+
+    def feed(self, token: int) -> str:
+        """The text this token releases ('' for none)."""
+        if token in self._params.eos_token_ids:
+            self.finish_reason, self.ended = "stop", True
+            return ""
+        self._ids.append(token)
+        text = self._decode(self._ids, skip_special_tokens=True)
+        cut = _first_stop(text, self._params.stop, self._emitted)
+        if cut is not None:
+            self.finish_reason, self.ended, self._cut = "stop", True, True
+            return self._release(text, cut)
+        safe = len(text) - _held_back(text, self._params.stop)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        return self._release(text, safe)
+
+    def end(self) -> str:
+        """The text held back when the tokens ended (EOS, or the source ran out)."""
+        if self._cut:
+            return ""
+        self._cut = True
+        text = self._decode(self._ids, skip_special_tokens=True)
+        cut = _first_stop(text, self._params.stop, self._emitted)
+        self.finish_reason = self.finish_reason or ("stop" if cut is not None else "length")
+        return self._release(text, cut if cut is not None else len(text))
+
+    def _release(self, text: str, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        piece, self._emitted = text[self._emitted : upto], upto
+        return piece
+
+
 class TextStream(Iterator[str]):
     """The text pieces of an answer as its tokens are decoded: it stops at EOS or a stop string (the stop
     string is not emitted), and a piece is emitted only once it cannot be the start of a stop string and
@@ -154,17 +202,25 @@ class TextStream(Iterator[str]):
 
     ``tokens``: tokens the model decoded so far, an ending EOS included (what usage counts; re-tokenising
     the text can give another number). ``finish_reason``: None while it runs, then ``"stop"`` (EOS or a
-    stop string) or ``"length"`` (``max_new_tokens`` decoded).
+    stop string) or ``"length"`` (``max_new_tokens`` decoded). ``aiter()``: the same answer as an
+    ``AsyncTextStream``.
     """
 
     def __init__(self, tokens: Iterator[int], tokenizer: object, params: SamplingParams) -> None:
         self.tokens = 0
-        self.finish_reason: FinishReason | None = None
         self._source = tokens
-        self._pieces = self._run(tokenizer, params)
+        self._text = _Pieces(tokenizer, params)
+        self._tokenizer, self._params = tokenizer, params
+        self._started = False
+        self._pieces = self._run()
 
     def __next__(self) -> str:
+        self._started = True
         return next(self._pieces)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._text.finish_reason
 
     @property
     def source(self) -> Iterator[int]:
@@ -178,38 +234,107 @@ class TextStream(Iterator[str]):
         if close is not None:
             close()
 
+    def aiter(self) -> AsyncTextStream:
+        """This answer as an ``AsyncTextStream``, before any of it was read here. A scheduler's request
+        that a thread drives streams its tokens without a thread of its own (``Request.aiter``); any other
+        source is read one token at a time on a worker thread, so the event loop never runs a forward."""
+        if self._started:
+            raise InvalidInputError("this stream was already read from; take aiter() before reading it")
+        self._started = True
+        source: AsyncIterator[int]
+        if getattr(self._source, "driven", False):
+            source = self._source.aiter()  # type: ignore[attr-defined]
+        else:
+            source = _on_worker_thread(self._source)
+        return AsyncTextStream(source, self._tokenizer, self._params, on_close=self.close)
+
     def _counted(self) -> Iterator[int]:
         for token in self._source:
             self.tokens += 1
             yield token
 
-    def _run(self, tokenizer: object, params: SamplingParams) -> Iterator[str]:
-        ids: list[int] = []
-        emitted = 0
+    def _run(self) -> Iterator[str]:
+        text = self._text
         for token in self._counted():
-            if token in params.eos_token_ids:
-                self.finish_reason = "stop"
+            piece = text.feed(token)
+            if piece:
+                yield piece
+            if text.ended:
                 break
-            ids.append(token)
-            text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-            cut = _first_stop(text, params.stop, emitted)
-            if cut is not None:
-                self.finish_reason = "stop"
-                if cut > emitted:
-                    yield text[emitted:cut]
+        piece = text.end()
+        if piece:
+            yield piece
+
+
+class AsyncTextStream(AsyncIterator[str]):
+    """``TextStream``'s asyncio twin: ``async for`` over the text pieces of an answer whose tokens arrive
+    from ``tokens`` (an async iterator). ``tokens`` and ``finish_reason`` as ``TextStream``'s; ``aclose()``
+    stops decoding (``on_close`` runs too: the window's answer is withdrawn from its scheduler)."""
+
+    def __init__(
+        self,
+        tokens: AsyncIterator[int],
+        tokenizer: object,
+        params: SamplingParams,
+        *,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.tokens = 0
+        self._source = tokens
+        self._text = _Pieces(tokenizer, params)
+        self._on_close = on_close
+        self._pieces = self._run()
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._pieces.__anext__()
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._text.finish_reason
+
+    async def text(self) -> str:
+        """The rest of the answer, as one string."""
+        return "".join([piece async for piece in self])
+
+    async def aclose(self) -> None:
+        """Stop decoding (the token source is closed too)."""
+        await self._pieces.aclose()
+        close = getattr(self._source, "aclose", None)
+        if close is not None:
+            await close()
+        if self._on_close is not None:
+            self._on_close()
+
+    async def _run(self) -> AsyncIterator[str]:
+        text = self._text
+        async for token in self._source:
+            self.tokens += 1
+            piece = text.feed(token)
+            if piece:
+                yield piece
+            if text.ended:
+                break
+        piece = text.end()
+        if piece:
+            yield piece
+
+
+async def _on_worker_thread(tokens: Iterator[int]) -> AsyncIterator[int]:
+    """``tokens`` read one at a time on a worker thread (each read may run a forward)."""
+    done = object()
+    try:
+        while True:
+            token = await asyncio.to_thread(next, tokens, done)
+            if token is done:
                 return
-            safe = len(text) - _held_back(text, params.stop)
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-        text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-        cut = _first_stop(text, params.stop, emitted)
-        end = cut if cut is not None else len(text)
-        self.finish_reason = self.finish_reason or ("stop" if cut is not None else "length")
-        if end > emitted:
-            yield text[emitted:end]
+            yield token  # type: ignore[misc]
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

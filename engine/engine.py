@@ -12,6 +12,7 @@ import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,7 +35,8 @@ from .operator import Patch
 from .packed_linear import pack_linears, resolve_linear_backend
 from .rope import HALF_DTYPES, RopeSpec, check_rotation
 from .runner import ForwardResult, Prefilled, run_forward
-from .scheduler import active_scheduler, alone, driven_scheduler, forwards_alone
+from .scheduler import Scheduler, active_scheduler, alone, driven_scheduler, forwards_alone
+from .scheduler import batching as scheduler_batching
 
 _SENTINEL = "\u2063KAMERA\u2063"
 
@@ -90,6 +92,8 @@ class Engine:
     #: its forwards are plain token forwards the scheduler can pack with others' (``scheduler.py``); an
     #: engine whose forwards take inputs of their own kind (vision rows, M-RoPE positions) says False
     batchable: ClassVar[bool] = True
+    #: the scheduler every window on this engine decodes through while ``batching()`` is on (else None)
+    scheduler: Scheduler | None = None
 
     def __init__(
         self,
@@ -346,6 +350,14 @@ class Engine:
             elif isinstance(eos, (list, tuple)):
                 ids.update(int(e) for e in eos)
         return tuple(sorted(ids))
+
+    def batching(self, **options: Any) -> AbstractContextManager[Scheduler]:
+        """Within this block, every window on this engine, on any thread or coroutine
+        (``ContextWindow.agenerate``), decodes and runs its forwards in one scheduler's shared steps, driven by
+        a thread of its own (``options``: ``Scheduler``'s: ``step_tokens``, ``max_rows``, ``kv_budget_bytes``,
+        ``max_waiting``). Yields the scheduler (its ``stats()``). On leaving, the answers in progress finish
+        first (cancelled instead when the block raises). One at a time per engine."""
+        return scheduler_batching(self, **options)
 
     # --- forward passes -----------------------------------------------------------------------
     def forward(

@@ -252,6 +252,12 @@ class Request(Iterator[int]):
     def done(self) -> bool:
         return self.state in ("done", "failed", "cancelled")
 
+    @property
+    def driven(self) -> bool:
+        """Whether another thread drives its scheduler, so its tokens arrive without the consumer stepping
+        it (what ``aiter()`` needs)."""
+        return self._scheduler._driven_elsewhere()
+
     # --- the scheduler side -------------------------------------------------------------------
     def _emit(self, item: object) -> None:
         with self._cond:
@@ -976,6 +982,26 @@ class Scheduler:
                 if _DRIVEN.get(self.engine) is self:
                     del _DRIVEN[self.engine]
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request runs or waits and no window forward is queued (a thread must drive the
+        scheduler meanwhile); False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self._wake:
+            while self.has_work():
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    return False
+                self._wake.wait(0.05 if left is None else min(0.05, left))
+        return True
+
+    def cancel_all(self) -> int:
+        """Cancel every request that runs or waits (their consumers see them end); how many."""
+        with self._lock:
+            live = [*self._running, *self._waiting]
+        for req in live:
+            req.cancel()
+        return len(live)
+
     def wait_for_work(self, timeout: float) -> None:
         with self._wake:
             if not self.has_work():
@@ -1004,6 +1030,29 @@ class Scheduler:
             s.waiting = len(self._waiting)
             s.carried_waiting = len(self._carried)
         return s
+
+
+@contextmanager
+def batching(engine: Engine, **options: Any) -> Iterator[Scheduler]:
+    """``Engine.batching``: a scheduler for ``engine`` (``options``: ``Scheduler``'s), driven by a thread of its
+    own and made the engine's, so every window on it, on any thread or coroutine, decodes and runs its
+    forwards in shared steps. On leaving, the answers in progress finish first (or, when the block raises,
+    are cancelled); then the thread stops and the engine runs unbatched again."""
+    if getattr(engine, "scheduler", None) is not None or driven_scheduler(engine) is not None:
+        raise InvalidInputError("this engine is already batching (engine.batching(), or a server's scheduler)")
+    sched = Scheduler(engine, **options)
+    sched.start()
+    engine.scheduler = sched
+    try:
+        yield sched
+    except BaseException:
+        sched.cancel_all()
+        raise
+    else:
+        sched.wait_idle()
+    finally:
+        engine.scheduler = None  # new work runs unbatched; callers still waiting on a forward step it themselves
+        sched.stop()
 
 
 @contextmanager

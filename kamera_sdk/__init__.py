@@ -10,6 +10,7 @@ rank-m conditioning patch. ``ContextWindow`` treats an agent's context as a set 
 
 from kamera_engine import (
     KV,
+    AsyncTextStream,
     CapacityError,
     ChecksumError,
     ChunkNotFoundError,
@@ -80,6 +81,7 @@ __all__ = [
     "KV",
     "POLICIES",
     "AsyncRemoteWindow",
+    "AsyncTextStream",
     "CapacityError",
     "ChatFormat",
     "ChecksumError",

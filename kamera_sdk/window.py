@@ -8,6 +8,7 @@ changes anything, so a refused operation leaves the window as it was.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import logging
@@ -32,7 +33,7 @@ from kamera_engine import (
     SamplingParams,
     WindowOperationError,
 )
-from kamera_engine.decode import TextStream, stop_strings
+from kamera_engine.decode import AsyncTextStream, TextStream, stop_strings
 from kamera_engine.runner import Prefilled
 
 from . import vision
@@ -628,6 +629,75 @@ class ContextWindow:
         self._count_prompt(ids, t0)
         return pieces if stream else "".join(pieces)
 
+    @overload
+    async def agenerate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[False] = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: str | Sequence[str] | None = ...,
+        seed: int | None = ...,
+        grammar: Grammar | None = ...,
+    ) -> str: ...
+    @overload
+    async def agenerate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        *,
+        stream: Literal[True],
+        temperature: float = ...,
+        top_p: float = ...,
+        stop: str | Sequence[str] | None = ...,
+        seed: int | None = ...,
+        grammar: Grammar | None = ...,
+    ) -> AsyncTextStream: ...
+
+    async def agenerate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        grammar: Grammar | None = None,
+    ) -> str | AsyncTextStream:
+        """``generate`` for asyncio, so many windows answer at once (``asyncio.gather``). The window's own
+        work (planning, its forwards) runs on a worker thread; under ``engine.batching()`` the answer then
+        decodes in the engine's shared steps with every other window's and streams without a thread (else
+        each token is decoded on a worker thread). ``stream=True`` returns an ``AsyncTextStream``. The answer
+        is ``generate``'s; a cancelled call withdraws it."""
+        call = functools.partial(
+            self.generate,
+            prompt,
+            max_new_tokens,
+            stream=True,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            grammar=grammar,
+        )
+        started = asyncio.ensure_future(asyncio.to_thread(call))
+        try:
+            text = await asyncio.shield(started)
+        except asyncio.CancelledError:  # the window's work ends on its thread; the answer it starts is withdrawn
+            started.add_done_callback(_close_started)
+            raise
+        pieces = text.aiter()
+        if stream:
+            return pieces
+        try:
+            return await pieces.text()
+        finally:
+            await pieces.aclose()
+
     @foreground()
     def compress_window(self, prompt: str | Sequence[int]) -> Compressed:
         """Prefill the prompt over the window and compress the cache with the window's compression
@@ -1210,3 +1280,9 @@ class ContextWindow:
 
     def _log_plan(self, plan: Plan) -> None:
         self._stats.log(Decision(step=self._state.step, chunk="*", source="plan", reason=plan.summary()))
+
+
+def _close_started(started: asyncio.Future[TextStream]) -> None:
+    """Close the answer a cancelled ``agenerate`` started (its window work had already begun)."""
+    if not started.cancelled() and started.exception() is None:
+        started.result().close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from kamera_engine import Engine, InvalidInputError, SamplingParams
-from kamera_engine.decode import TextStream, pick_token
+from kamera_engine.decode import AsyncTextStream, TextStream, pick_token
 from kamera_engine.kv import KV, drop_tokens, to_cache
 from tests.conftest import ANCHOR, random_ids, tiny_engine
 
@@ -61,6 +63,59 @@ def test_closing_a_stream_closes_its_token_source() -> None:
     assert next(stream) == "a"
     stream.close()
     assert closed == [True] and stream.finish_reason is None
+
+
+CASES = [
+    ([0, 26, 1], {}),
+    ([0, 1, 3, 4], {"eos_token_ids": (3,)}),
+    ([0, 1, 2, 3, 4], {"stop": ("cd",)}),
+    ([0, 1, 2, 3], {"stop": ("cx",)}),
+    ([], {}),
+]
+
+
+@pytest.mark.parametrize(("tokens", "kw"), CASES)
+def test_the_async_stream_is_the_stream(tokens: list[int], kw: dict) -> None:
+    """The same pieces, token count and finish reason, from an async token source and from ``aiter()`` of a
+    plain stream (its tokens read on a worker thread)."""
+    sync = TextStream(iter(tokens), _CharTokenizer(), SamplingParams(**kw))
+    expected = (list(sync), sync.tokens, sync.finish_reason)
+
+    async def source():
+        for t in tokens:
+            yield t
+
+    async def read(stream: AsyncTextStream) -> tuple[list[str], int, str | None]:
+        assert stream.finish_reason is None
+        return [p async for p in stream], stream.tokens, stream.finish_reason
+
+    direct = AsyncTextStream(source(), _CharTokenizer(), SamplingParams(**kw))
+    assert asyncio.run(read(direct)) == expected
+    threaded = TextStream(iter(tokens), _CharTokenizer(), SamplingParams(**kw)).aiter()
+    assert asyncio.run(read(threaded)) == expected
+
+
+def test_aclose_closes_the_token_source_and_a_read_stream_has_no_aiter() -> None:
+    closed = []
+
+    def source():
+        try:
+            yield from range(10)
+        finally:
+            closed.append(True)
+
+    async def two_pieces_then_close(stream: AsyncTextStream) -> list[str]:
+        got = [await stream.__anext__(), await stream.__anext__()]
+        await stream.aclose()
+        return got
+
+    stream = TextStream(source(), _CharTokenizer(), SamplingParams())
+    assert asyncio.run(two_pieces_then_close(stream.aiter())) == ["a", "b"]
+    assert closed == [True]
+    read = TextStream(iter([0, 1]), _CharTokenizer(), SamplingParams())
+    next(read)
+    with pytest.raises(InvalidInputError, match="already read"):
+        read.aiter()
 
 
 def test_top_p_keeps_only_the_nucleus() -> None:

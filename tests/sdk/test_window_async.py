@@ -1,0 +1,157 @@
+"""Many windows at once from asyncio: ``ContextWindow.agenerate`` under ``Engine.batching()`` decodes every
+window's answer in the engine's shared steps, and each answer is the window's own ``generate`` alone; a
+cancelled or closed answer leaves the others as they were; the batching block finishes what it started and
+then gives the engine back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kamera_engine import Engine, InvalidInputError
+from kamera_engine.scheduler import Scheduler
+from kamera_sdk import ContextWindow
+from kamera_sdk.policies import POLICIES
+from tests.conftest import random_ids, tiny_model
+
+POLICY_NAMES = sorted(POLICIES)
+#: per window: greedy, temperature with a seed, top-p, stop strings (cycled)
+SAMPLING = [
+    dict(max_new_tokens=24),
+    dict(max_new_tokens=20, temperature=0.9, seed=5),
+    dict(max_new_tokens=22, temperature=1.1, top_p=0.8, seed=17),
+    dict(max_new_tokens=26, stop=["k", "q"]),
+]
+
+
+class _CharTokenizer:
+    """Token i decodes to chr(ord('a') + i % 26): stop strings on a tiny model."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(tiny_model("llama"), _CharTokenizer(), name="tiny-llama", anchor_ids=[1, 2, 3, 4])
+
+
+def _window(engine: Engine, i: int, policy: str = "kamera") -> ContextWindow:
+    w = ContextWindow(engine, policy=policy)
+    for j in range(1 + i % 3):
+        w.add(random_ids(4 + 3 * j + i, 100 + 10 * i + j))
+    return w
+
+
+def _prompt(i: int) -> list[int]:
+    return random_ids(3 + i % 4, 300 + i)
+
+
+def _alone(engine: Engine, i: int, policy: str = "kamera") -> str:
+    return _window(engine, i, policy).generate(_prompt(i), **SAMPLING[i % len(SAMPLING)])
+
+
+def test_windows_of_every_policy_answer_at_once_as_each_alone(engine: Engine) -> None:
+    cases = list(enumerate(POLICY_NAMES))
+    expected = [_alone(engine, i, p) for i, p in cases]
+    windows = [_window(engine, i, p) for i, p in cases]
+
+    async def answer_all() -> list[str]:
+        return await asyncio.gather(
+            *(w.agenerate(_prompt(i), **SAMPLING[i % len(SAMPLING)]) for (i, _), w in zip(cases, windows, strict=True))
+        )
+
+    with engine.batching() as sched:
+        assert engine.scheduler is sched
+        got = asyncio.run(answer_all())
+    stats = sched.stats()
+    assert got == expected
+    assert stats.submitted == stats.finished == len(cases)  # every answer decoded in the scheduler's steps
+    assert stats.batch_max >= 2  # and they shared steps
+    assert engine.scheduler is None
+
+
+def test_without_batching_agenerate_is_generate_on_worker_threads(engine: Engine) -> None:
+    expected = [_alone(engine, i) for i in range(4)]
+    windows = [_window(engine, i) for i in range(4)]
+
+    async def answer_all() -> list[str]:
+        return await asyncio.gather(*(w.agenerate(_prompt(i), **SAMPLING[i]) for i, w in enumerate(windows)))
+
+    assert asyncio.run(answer_all()) == expected
+
+
+LONG = dict(max_new_tokens=400)  # greedy, no stop: still decoding when the test withdraws it
+
+
+def test_a_closed_stream_leaves_the_others_as_alone(engine: Engine) -> None:
+    expected = [_alone(engine, i) for i in range(3)]
+    long_alone = _window(engine, 1).generate(_prompt(1), **LONG)
+    windows = [_window(engine, i) for i in range(3)]
+
+    async def run() -> tuple[list[str], str]:
+        streams = [
+            await w.agenerate(_prompt(i), stream=True, **(LONG if i == 1 else SAMPLING[i]))
+            for i, w in enumerate(windows)
+        ]
+        first = await streams[1].__anext__()
+        await streams[1].aclose()  # a client that stopped reading
+        return [await streams[i].text() for i in (0, 2)], first
+
+    with engine.batching() as sched:
+        texts, first = asyncio.run(run())
+    assert texts == [expected[0], expected[2]]
+    assert first and long_alone.startswith(first)
+    stats = sched.stats()
+    assert (stats.cancelled, stats.finished, stats.running, stats.waiting) == (1, 2, 0, 0)
+
+
+def test_a_cancelled_call_withdraws_its_answer_and_leaves_the_others_as_alone(engine: Engine) -> None:
+    expected = _alone(engine, 0)
+    windows = [_window(engine, i) for i in range(2)]
+
+    async def run(sched: Scheduler) -> str:
+        doomed = asyncio.ensure_future(windows[1].agenerate(_prompt(1), **LONG))
+        while sched.stats().submitted < 1:  # its window work is done and its answer decodes
+            await asyncio.sleep(0.005)
+        other = asyncio.ensure_future(windows[0].agenerate(_prompt(0), **SAMPLING[0]))
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        return await other
+
+    with engine.batching() as sched:
+        assert asyncio.run(run(sched)) == expected
+    stats = sched.stats()
+    assert (stats.cancelled, stats.finished, stats.running, stats.waiting) == (1, 1, 0, 0)
+
+
+def test_leaving_the_block_finishes_answers_in_progress_then_the_engine_runs_unbatched(engine: Engine) -> None:
+    expected = _alone(engine, 0)
+    with engine.batching() as sched:
+        stream = _window(engine, 0).generate(_prompt(0), stream=True, **SAMPLING[0])
+    assert sched.stats().finished == 1  # decoded to its end before the block let go, nobody reading it
+    assert "".join(stream) == expected
+    assert engine.scheduler is None and engine.counters.forwards > 0
+    assert _alone(engine, 0) == expected  # no scheduler any more: the single path
+
+
+def test_a_block_that_raises_cancels_its_answers(engine: Engine) -> None:
+    with pytest.raises(RuntimeError, match="agent failed"), engine.batching() as sched:
+        stream = _window(engine, 1).generate(_prompt(1), stream=True, max_new_tokens=500)
+        raise RuntimeError("agent failed")
+    assert sched.stats().cancelled == 1
+    assert len("".join(stream)) < 500 and engine.scheduler is None
+
+
+def test_batching_twice_is_refused_and_leaves_the_first_on(engine: Engine) -> None:
+    expected = _alone(engine, 2)
+    with engine.batching() as sched:
+        with pytest.raises(InvalidInputError, match="already batching"), engine.batching():
+            pass
+        assert engine.scheduler is sched
+        assert _window(engine, 2).generate(_prompt(2), **SAMPLING[2]) == expected
+        assert sched.stats().finished == 1
