@@ -17,6 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import kamera_sdk  # noqa: F401  (first: Kamera sets OpenMP's wait policy before torch loads, docs/quickstart.md)
+
+# isort: split
 import torch
 
 from kamera_sdk import ChunkId, ContextWindow, Engine, WindowStats

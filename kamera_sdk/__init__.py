@@ -33,6 +33,7 @@ from kamera_engine import (
     WindowOperationError,
 )
 
+from .aio import to_thread
 from .auto_tools import AUTO_TOOL_POLICIES, auto_grammar, relevant_tools, text_grammar, tool_relevance
 from .chat_format import ChatFormat
 from .chunks import ChunkId
@@ -129,6 +130,7 @@ __all__ = [
     "register_policy",
     "relevant_tools",
     "text_grammar",
+    "to_thread",
     "tool_grammar",
     "tool_relevance",
     "tools_prompt",

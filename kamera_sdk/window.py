@@ -37,6 +37,7 @@ from kamera_engine.decode import AsyncTextStream, TextStream, stop_strings
 from kamera_engine.runner import Prefilled
 
 from . import vision
+from .aio import to_thread
 from .background import BackgroundQueue, IdleWorker, Phase, Task, gate_of
 from .chunks import VISION_KINDS, Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
 from .compress import CompressionPolicy, make_compressor
@@ -669,10 +670,10 @@ class ContextWindow:
         grammar: Grammar | None = None,
     ) -> str | AsyncTextStream:
         """``generate`` for asyncio, so many windows answer at once (``asyncio.gather``). The window's own
-        work (planning, its forwards) runs on a worker thread; under ``engine.batching()`` the answer then
-        decodes in the engine's shared steps with every other window's and streams without a thread (else
-        each token is decoded on a worker thread). ``stream=True`` returns an ``AsyncTextStream``. The answer
-        is ``generate``'s; a cancelled call withdraws it."""
+        work (planning, its forwards) runs on a window thread (``kamera_sdk.to_thread``); under
+        ``engine.batching()`` the answer then decodes in the engine's shared steps with every other window's
+        and streams without a thread (else each token is decoded on a worker thread). ``stream=True``
+        returns an ``AsyncTextStream``. The answer is ``generate``'s; a cancelled call withdraws it."""
         call = functools.partial(
             self.generate,
             prompt,
@@ -684,7 +685,7 @@ class ContextWindow:
             seed=seed,
             grammar=grammar,
         )
-        started = asyncio.ensure_future(asyncio.to_thread(call))
+        started = asyncio.ensure_future(to_thread(call))
         try:
             text = await asyncio.shield(started)
         except asyncio.CancelledError:  # the window's work ends on its thread; the answer it starts is withdrawn

@@ -45,6 +45,12 @@ def test_example_short(name: str) -> None:
     assert "recall" in out  # both look back at an evicted page
 
 
+def test_many_agents_short() -> None:
+    out = run_example("many_agents.py")
+    assert "2 agents x 2 rounds" in out
+    assert "answers identical both ways: 4 of 4" in out  # batched with asyncio, each as alone
+
+
 def test_gui_agent_short_on_accessibility_text() -> None:
     out = run_example("gui_agent.py")
     assert "accessibility-tree text" in out
