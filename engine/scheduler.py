@@ -14,7 +14,7 @@ row (``capture.recording_rows``). A forward that must not be packed with others 
 :func:`alone`, one outside ``serving`` while a thread drives the scheduler) runs alone between
 two steps (``run_alone``): the unbatched path, bit for bit. So the engine's forwards through
 ``Engine.forward`` reach the model one at a time, through the scheduler (selective recompute, which runs
-decoder layers itself, is the exception: it runs on its caller's thread). Whether a
+decoder layers itself, goes through ``exclusive``: alone, between two steps). Whether a
 carried forward runs alone or batched depends on what else is queued: a batched row equals its lone
 forward within float32 rounding (1e-4), not bit for bit; a forward whose result must not depend on load
 runs inside :func:`alone`.
@@ -313,6 +313,15 @@ class _Plan:
     decode_rows: int = 0
     prefill_tokens: int = 0
     carried: list[_CarriedChunk] = field(default_factory=list)  # window forwards' rows, after ``rows``
+
+
+def exclusive(engine: object, fn: Callable[[], T]) -> T:
+    """Run ``fn``, model work that does not go through ``Engine.forward`` (selective recompute drives the
+    decoder layers itself), where no step runs beside it: under a scheduler (the one this context submits to,
+    or one a thread drives), between two of its steps (``Scheduler.run_alone``); without one, at once."""
+    batching = active_scheduler(engine)
+    sched = batching[0] if batching is not None else driven_scheduler(engine)
+    return fn() if sched is None else sched.run_alone(fn)
 
 
 class Scheduler:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .errors import InvalidInputError
 from .kv import KV
 from .runner import call_with_cache
+from .scheduler import exclusive
 
 
 class ScatterCache:
@@ -82,7 +84,6 @@ def _mask(
     return mask[None, None]
 
 
-@torch.inference_mode()
 def recompute_tokens(
     engine: object,
     window: KV,
@@ -96,8 +97,23 @@ def recompute_tokens(
 
     window: placed KV of the whole window at positions 0..N-1 (anchor included); token_ids: the N
     token ids; ``check_layer=None`` recomputes every candidate at every layer; otherwise CacheBlend's
-    selection of ``ratio`` of them by key deviation at ``check_layer``.
+    selection of ``ratio`` of them by key deviation at ``check_layer``. Under a scheduler it runs between two
+    of its steps (``scheduler.exclusive``), never beside one.
     """
+    run = partial(_recompute_tokens, engine, window, token_ids, candidates, ratio=ratio, check_layer=check_layer)
+    return exclusive(engine, run)
+
+
+@torch.inference_mode()
+def _recompute_tokens(
+    engine: object,
+    window: KV,
+    token_ids: Sequence[int],
+    candidates: torch.Tensor,
+    *,
+    ratio: float,
+    check_layer: int | None,
+) -> RecomputeResult:
     model = engine.model  # type: ignore[attr-defined]
     adapter = engine.adapter  # type: ignore[attr-defined]
     n = _check_window(window, token_ids, "selective recompute")
@@ -139,7 +155,6 @@ def recompute_tokens(
     return RecomputeResult(cache.to_kv(torch.arange(n)), pos)
 
 
-@torch.inference_mode()
 def reprefill_from_layer(
     engine: object, window: KV, token_ids: Sequence[int], spans: Sequence[range], from_layer: int, anchor_len: int
 ) -> KV:
@@ -154,8 +169,16 @@ def reprefill_from_layer(
     them, to measure what skipping them costs in fidelity. ``from_layer=0`` is a re-prefill of the spans,
     ``from_layer`` = the number of layers changes nothing. window: placed at 0..N-1 (anchor included);
     token_ids: its N ids; spans: sorted, disjoint, behind the anchor. Returns the window with the spans'
-    K/V replaced.
+    K/V replaced. Under a scheduler it runs between two of its steps (``scheduler.exclusive``).
     """
+    run = partial(_reprefill_from_layer, engine, window, token_ids, spans, from_layer, anchor_len)
+    return exclusive(engine, run)
+
+
+@torch.inference_mode()
+def _reprefill_from_layer(
+    engine: object, window: KV, token_ids: Sequence[int], spans: Sequence[range], from_layer: int, anchor_len: int
+) -> KV:
     model = engine.model  # type: ignore[attr-defined]
     adapter = engine.adapter  # type: ignore[attr-defined]
     layers = adapter.layers(model)

@@ -272,3 +272,74 @@ def test_run_alone_is_the_unbatched_forward_and_never_runs_beside_a_step(engine:
         assert got is not None
         assert torch.equal(got.logits, w.logits)
         assert torch.equal(got.kv.keys, w.kv.keys) and torch.equal(got.kv.values, w.kv.values)
+
+
+def test_selective_recompute_runs_between_steps_bit_for_bit(engine: Engine) -> None:
+    """Selective recompute drives the decoder layers itself (not ``Engine.forward``); under a driven scheduler,
+    from inside ``serving`` or outside it, it runs between two steps: never beside a step's forward, and its
+    result is the one without a scheduler, bit for bit."""
+    from kamera_engine.selective import recompute_tokens, reprefill_from_layer
+
+    anchor = 4
+    windows = [(random_ids(14 + 3 * i, 70 + i)) for i in range(3)]
+    placed = [engine.forward(ids, None, 0, logits="none").kv for ids in windows]
+
+    def selective(i: int):
+        ids, kv = windows[i], placed[i]
+        if i == 2:
+            return reprefill_from_layer(engine, kv, ids, [range(anchor, anchor + 6)], 1, anchor)
+        cand = torch.arange(anchor, len(ids))
+        return recompute_tokens(engine, kv, ids, cand, ratio=0.5, check_layer=1 if i else None)
+
+    want = [selective(i) for i in range(3)]
+    layers = engine.adapter.layers(engine.model)
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    def enter(module, args, kwargs):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.001)  # widen the window in which an overlap would show
+
+    def leave(module, args, kwargs, output):
+        with lock:
+            active[0] -= 1
+
+    hooks = [
+        h
+        for layer in layers
+        for h in (
+            layer.register_forward_pre_hook(enter, with_kwargs=True),
+            layer.register_forward_hook(leave, with_kwargs=True),
+        )
+    ]
+    sched = Scheduler(engine)
+    reqs = [sched.submit(None, random_ids(4, 90 + i), 0, SamplingParams(max_new_tokens=30)) for i in range(2)]
+    sched.start()
+    out: list = [None] * 3
+    try:
+
+        def run(i: int) -> None:
+            if i % 2:
+                with sched.serving(key=i):
+                    out[i] = selective(i)
+            else:
+                out[i] = selective(i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r in reqs:
+            list(r)
+    finally:
+        sched.stop()
+        for h in hooks:
+            h.remove()
+    assert most[0] == 1  # one decoder layer runs at a time: never a step beside the recompute
+    assert sched.stats().alone == 3
+    for got, w in zip(out, want, strict=True):
+        kv_got, kv_want = (got.kv, w.kv) if hasattr(got, "kv") else (got, w)
+        assert torch.equal(kv_got.keys, kv_want.keys) and torch.equal(kv_got.values, kv_want.values)
