@@ -35,7 +35,7 @@ from .operator import Patch
 from .packed_linear import pack_linears, resolve_linear_backend
 from .rope import HALF_DTYPES, RopeSpec, check_rotation
 from .runner import ForwardResult, Prefilled, run_forward
-from .scheduler import Scheduler, active_scheduler, alone, driven_scheduler, forwards_alone
+from .scheduler import Scheduler, active_scheduler, alone, batching_scheduler, driven_scheduler, forwards_alone
 from .scheduler import batching as scheduler_batching
 
 _SENTINEL = "\u2063KAMERA\u2063"
@@ -92,8 +92,6 @@ class Engine:
     #: its forwards are plain token forwards the scheduler can pack with others' (``scheduler.py``); an
     #: engine whose forwards take inputs of their own kind (vision rows, M-RoPE positions) says False
     batchable: ClassVar[bool] = True
-    #: the scheduler every window on this engine decodes through while ``batching()`` is on (else None)
-    scheduler: Scheduler | None = None
 
     def __init__(
         self,
@@ -351,12 +349,19 @@ class Engine:
                 ids.update(int(e) for e in eos)
         return tuple(sorted(ids))
 
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The scheduler every window on this engine decodes through while a ``batching()`` block is open on its
+        model (this engine's, or another's over the same weights), else None."""
+        return batching_scheduler(self)
+
     def batching(self, **options: Any) -> AbstractContextManager[Scheduler]:
         """Within this block, every window on this engine, on any thread or coroutine
         (``ContextWindow.agenerate``), decodes and runs its forwards in one scheduler's shared steps, driven by
         a thread of its own (``options``: ``Scheduler``'s: ``step_tokens``, ``max_rows``, ``kv_budget_bytes``,
         ``max_waiting``). Yields the scheduler (its ``stats()``). On leaving, the answers in progress finish
-        first (cancelled instead when the block raises). One at a time per engine."""
+        first (cancelled instead when the block raises). One at a time per model: engines over the same weights
+        (a chat engine with its own anchor) share it."""
         return scheduler_batching(self, **options)
 
     # --- forward passes -----------------------------------------------------------------------

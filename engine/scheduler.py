@@ -91,13 +91,29 @@ _DRIVEN: weakref.WeakKeyDictionary[object, Scheduler] = weakref.WeakKeyDictionar
 _DRIVEN_LOCK = threading.Lock()
 
 
+#: per model, the scheduler ``batching()`` made every engine over that model use (engines may share a model:
+#: a chat engine with its own anchor over the default engine's weights)
+_BATCHING: weakref.WeakKeyDictionary[object, Scheduler] = weakref.WeakKeyDictionary()
+_BATCHING_LOCK = threading.Lock()
+
+
+def batching_scheduler(engine: object) -> Scheduler | None:
+    """The scheduler of the ``batching()`` block open on ``engine``'s model, if any (``Engine.scheduler``)."""
+    model = getattr(engine, "model", None)
+    with _BATCHING_LOCK:
+        try:
+            return _BATCHING.get(model) if model is not None else None
+        except TypeError:  # a model that cannot be weakly referenced is never registered
+            return None
+
+
 def active_scheduler(engine: object) -> tuple[Scheduler, Hashable | None] | None:
     """The scheduler (and submitter key) that decoding on ``engine`` goes through here, if any."""
     active = _ACTIVE.get()
     if active is not None and active[0].engine is engine:
         return active
-    own = getattr(engine, "scheduler", None)
-    return (own, None) if isinstance(own, Scheduler) else None
+    own = batching_scheduler(engine)
+    return (own, None) if own is not None else None
 
 
 def driven_scheduler(engine: object) -> Scheduler | None:
@@ -1044,14 +1060,16 @@ class Scheduler:
 @contextmanager
 def batching(engine: Engine, **options: Any) -> Iterator[Scheduler]:
     """``Engine.batching``: a scheduler for ``engine`` (``options``: ``Scheduler``'s), driven by a thread of its
-    own and made the engine's, so every window on it, on any thread or coroutine, decodes and runs its
-    forwards in shared steps. On leaving, the answers in progress finish first (or, when the block raises,
-    are cancelled); then the thread stops and the engine runs unbatched again."""
-    if getattr(engine, "scheduler", None) is not None or driven_scheduler(engine) is not None:
-        raise InvalidInputError("this engine is already batching (engine.batching(), or a server's scheduler)")
+    own and made the one of every engine over ``engine.model`` (engines that share a model share its steps), so
+    every window on them, on any thread or coroutine, decodes and runs its forwards in shared steps. On
+    leaving, the answers in progress finish first (or, when the block raises, are cancelled); then the thread
+    stops and the engines run unbatched again."""
     sched = Scheduler(engine, **options)
+    with _BATCHING_LOCK:
+        if engine.model in _BATCHING or driven_scheduler(engine) is not None:
+            raise InvalidInputError("this engine is already batching (engine.batching(), or a server's scheduler)")
+        _BATCHING[engine.model] = sched
     sched.start()
-    engine.scheduler = sched
     try:
         yield sched
     except BaseException:
@@ -1060,7 +1078,8 @@ def batching(engine: Engine, **options: Any) -> Iterator[Scheduler]:
     else:
         sched.wait_idle()
     finally:
-        engine.scheduler = None  # new work runs unbatched; callers still waiting on a forward step it themselves
+        with _BATCHING_LOCK:  # new work runs unbatched; callers still waiting on a forward step it themselves
+            del _BATCHING[engine.model]
         sched.stop()
 
 

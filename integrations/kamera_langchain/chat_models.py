@@ -19,11 +19,11 @@ import dataclasses
 import json
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolCall
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
@@ -49,6 +49,7 @@ from kamera_sdk import (
     answer_prompt,
     auto_grammar,
     open_store,
+    to_thread,
 )
 
 from ._conversation import Conversation, SyncReport, stats_delta
@@ -545,6 +546,19 @@ class ChatKamera(BaseChatModel):
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """``_generate`` on a Kamera window thread (``kamera_sdk.to_thread``; LangChain's default executor has 6
+        threads on 2 cores): many conversations' ``ainvoke`` run at once, and under ``engine.batching()`` their
+        forwards and answers share the engine's steps."""
+        sync = run_manager.get_sync() if run_manager is not None else None
+        return await to_thread(self._generate, messages, stop, sync, **kwargs)
+
     def _reply(self, call: _Call, text: str) -> AIMessage:
         """The reply of a finished in-process call: a tool call when the model made one, else the text."""
         usage, meta = self._finish(call)
@@ -618,3 +632,20 @@ class ChatKamera(BaseChatModel):
         info = {"finish_reason": meta["finish_reason"], "kamera": meta["kamera"]}
         last = AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last")
         yield ChatGenerationChunk(message=last, generation_info=info)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """``_stream`` read chunk by chunk on Kamera's window threads (as ``_agenerate``); a consumer that
+        stops early closes it (the answer is withdrawn)."""
+        chunks = self._stream(messages, stop, run_manager.get_sync() if run_manager is not None else None, **kwargs)
+        done = object()
+        try:
+            while (chunk := await to_thread(next, chunks, done)) is not done:
+                yield chunk  # type: ignore[misc]
+        finally:
+            await to_thread(chunks.close)

@@ -3,6 +3,7 @@ become window operations, sessions, metadata, rendering and the refusals."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -262,3 +263,25 @@ def test_token_budget_slides_inside_a_call(tiny: Engine) -> None:
     assert win.tokens <= 40 and win.evicted
     assert win.chunk(win.chunks[-1]).text == llm.render(history[-1:])[0]
     assert reply.usage_metadata is not None
+
+
+def test_conversations_at_once_from_asyncio_share_the_engines_steps(tiny: Engine) -> None:
+    """``ainvoke`` of several conversations at once under ``engine.batching()``: every reply is the one ``invoke``
+    gives alone, and their answers decoded in shared steps; ``astream`` gives the same text."""
+    histories = [[SYS, HumanMessage(f"question {i}: what is {i} plus {i}?")] for i in range(4)]
+    alone = ChatKamera(engine=tiny, max_tokens=12)
+    want = [alone.invoke(h, session_id=f"w{i}").content for i, h in enumerate(histories)]
+    llm = ChatKamera(engine=tiny, max_tokens=12)
+
+    async def everyone() -> list[BaseMessage]:
+        return await asyncio.gather(*(llm.ainvoke(h, session_id=f"s{i}") for i, h in enumerate(histories)))
+
+    async def streamed() -> str:
+        return "".join([str(c.content) async for c in llm.astream(histories[0], session_id="t")])
+
+    with tiny.batching() as sched:
+        got = asyncio.run(everyone())
+        text = asyncio.run(streamed())
+    assert [g.content for g in got] == want
+    assert text == want[0]
+    assert sched.stats().finished == len(histories) + 1 and sched.stats().batch_max >= 2

@@ -152,6 +152,11 @@ def test_batching_twice_is_refused_and_leaves_the_first_on(engine: Engine) -> No
     with engine.batching() as sched:
         with pytest.raises(InvalidInputError, match="already batching"), engine.batching():
             pass
+        # an engine over the same weights (another anchor, as a chat engine) shares the block, and is refused too
+        other = Engine(engine.model, engine.tokenizer, name="tiny-llama", anchor_ids=[1, 2, 3])
+        assert other.scheduler is sched
+        with pytest.raises(InvalidInputError, match="already batching"), other.batching():
+            pass
         assert engine.scheduler is sched
         assert _window(engine, 2).generate(_prompt(2), **SAMPLING[2]) == expected
         assert sched.stats().finished == 1
