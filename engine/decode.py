@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from .runner import call_with_cache
 #: Run after each decode step with plain counts: (tokens in the cache, tokens generated so far) -> the cache
 #: rows to drop from every layer and head (empty or None: keep all). Compression policies evict here.
 StepHook = Callable[[int, int], Sequence[int] | None]
+
+#: How a blocking call runs off the event loop (``asyncio.to_thread``'s shape; the SDK passes its own pool's).
+ThreadRunner = Callable[..., Awaitable[Any]]
 
 
 @dataclass(slots=True)
@@ -211,10 +215,12 @@ class TextStream(Iterator[str]):
         self._source = tokens
         self._text = _Pieces(tokenizer, params)
         self._tokenizer, self._params = tokenizer, params
-        self._started = False
+        self._started = self._async = False
         self._pieces = self._run()
 
     def __next__(self) -> str:
+        if self._async:
+            raise InvalidInputError("this stream is read through its aiter()")
         self._started = True
         return next(self._pieces)
 
@@ -234,19 +240,27 @@ class TextStream(Iterator[str]):
         if close is not None:
             close()
 
-    def aiter(self) -> AsyncTextStream:
-        """This answer as an ``AsyncTextStream``, before any of it was read here. A scheduler's request
-        that a thread drives streams its tokens without a thread of its own (``Request.aiter``); any other
-        source is read one token at a time on a worker thread, so the event loop never runs a forward."""
+    def aiter(self, *, to_thread: ThreadRunner | None = None) -> AsyncTextStream:
+        """This answer as an ``AsyncTextStream``, before any of it was read here (and read only there from
+        then on). A scheduler's request that a thread drives streams its tokens without a thread of its own
+        (``Request.aiter``); any other source is read one token at a time on a worker thread (``to_thread``,
+        default ``asyncio.to_thread``), so the event loop never runs a forward. Closing it withdraws the answer
+        (off the event loop: a withdrawal may wait for a step to end)."""
         if self._started:
             raise InvalidInputError("this stream was already read from; take aiter() before reading it")
-        self._started = True
-        source: AsyncIterator[int]
-        if getattr(self._source, "driven", False):
-            source = self._source.aiter()  # type: ignore[attr-defined]
-        else:
-            source = _on_worker_thread(self._source)
-        return AsyncTextStream(source, self._tokenizer, self._params, on_close=self.close)
+        self._started = self._async = True
+        run = to_thread or asyncio.to_thread
+        source = self._source
+        if getattr(source, "driven", False):
+            close = getattr(source, "close", None)
+
+            async def withdraw() -> None:
+                if close is not None:
+                    await run(close)
+
+            tokens: AsyncIterator[int] = source.aiter()  # type: ignore[attr-defined]
+            return AsyncTextStream(tokens, self._tokenizer, self._params, on_close=withdraw)
+        return AsyncTextStream(_ThreadedTokens(source, run), self._tokenizer, self._params)
 
     def _counted(self) -> Iterator[int]:
         for token in self._source:
@@ -269,7 +283,7 @@ class TextStream(Iterator[str]):
 class AsyncTextStream(AsyncIterator[str]):
     """``TextStream``'s asyncio twin: ``async for`` over the text pieces of an answer whose tokens arrive
     from ``tokens`` (an async iterator). ``tokens`` and ``finish_reason`` as ``TextStream``'s; ``aclose()``
-    stops decoding (``on_close`` runs too: the window's answer is withdrawn from its scheduler)."""
+    stops decoding (the token source is closed, and ``on_close`` awaited: the answer is withdrawn)."""
 
     def __init__(
         self,
@@ -277,7 +291,7 @@ class AsyncTextStream(AsyncIterator[str]):
         tokenizer: object,
         params: SamplingParams,
         *,
-        on_close: Callable[[], None] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.tokens = 0
         self._source = tokens
@@ -306,7 +320,7 @@ class AsyncTextStream(AsyncIterator[str]):
         if close is not None:
             await close()
         if self._on_close is not None:
-            self._on_close()
+            await self._on_close()
 
     async def _run(self) -> AsyncIterator[str]:
         text = self._text
@@ -322,19 +336,37 @@ class AsyncTextStream(AsyncIterator[str]):
             yield piece
 
 
-async def _on_worker_thread(tokens: Iterator[int]) -> AsyncIterator[int]:
-    """``tokens`` read one at a time on a worker thread (each read may run a forward)."""
-    done = object()
-    try:
-        while True:
-            token = await asyncio.to_thread(next, tokens, done)
-            if token is done:
-                return
-            yield token  # type: ignore[misc]
-    finally:
-        close = getattr(tokens, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+class _ThreadedTokens(AsyncIterator[int]):
+    """A blocking token iterator read one token at a time on worker threads (each read may run a forward).
+    Reads and the close take one lock, so a close while a read still runs (its awaiting task cancelled) waits
+    for that read instead of failing on a generator that is executing."""
+
+    def __init__(self, tokens: Iterator[int], to_thread: ThreadRunner) -> None:
+        self._tokens, self._to_thread = tokens, to_thread
+        self._lock = threading.Lock()
+        self._end = object()
+
+    def __aiter__(self) -> _ThreadedTokens:
+        return self
+
+    async def __anext__(self) -> int:
+        token = await self._to_thread(self._next)
+        if token is self._end:
+            raise StopAsyncIteration
+        return token  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        await self._to_thread(self._close)
+
+    def _next(self) -> object:
+        with self._lock:
+            return next(self._tokens, self._end)
+
+    def _close(self) -> None:
+        with self._lock:
+            close = getattr(self._tokens, "close", None)
+            if close is not None:
+                close()
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -28,6 +28,7 @@ work that does not fit waits in a bounded queue, and past that it is refused wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -86,7 +87,7 @@ def forwards_alone() -> bool:
     return _ALONE.get()
 
 
-#: per engine, the scheduler a thread drives now (``Scheduler.driving``)
+#: per model, the scheduler a thread drives now (``Scheduler.driving``)
 _DRIVEN: weakref.WeakKeyDictionary[object, Scheduler] = weakref.WeakKeyDictionary()
 _DRIVEN_LOCK = threading.Lock()
 
@@ -99,10 +100,9 @@ _BATCHING_LOCK = threading.Lock()
 
 def batching_scheduler(engine: object) -> Scheduler | None:
     """The scheduler of the ``batching()`` block open on ``engine``'s model, if any (``Engine.scheduler``)."""
-    model = getattr(engine, "model", None)
     with _BATCHING_LOCK:
         try:
-            return _BATCHING.get(model) if model is not None else None
+            return _BATCHING.get(_model_of(engine))
         except TypeError:  # a model that cannot be weakly referenced is never registered
             return None
 
@@ -116,13 +116,18 @@ def active_scheduler(engine: object) -> tuple[Scheduler, Hashable | None] | None
     return (own, None) if own is not None else None
 
 
+def _model_of(engine: object) -> object:
+    """What the registries below key on: the engine's model (engines over the same weights share it)."""
+    return getattr(engine, "model", engine)
+
+
 def driven_scheduler(engine: object) -> Scheduler | None:
-    """The scheduler a thread drives for ``engine`` now, if any: a forward outside ``serving`` (a window's
-    idle-time work, a score) runs alone through it (``run_alone``), never beside its steps."""
+    """The scheduler a thread drives for ``engine``'s model now, if any: a forward outside ``serving`` (a
+    window's idle-time work, a score) runs alone through it (``run_alone``), never beside its steps."""
     with _DRIVEN_LOCK:
         try:
-            return _DRIVEN.get(engine)
-        except TypeError:  # an engine that cannot be weakly referenced is never registered
+            return _DRIVEN.get(_model_of(engine))
+        except TypeError:  # a model that cannot be weakly referenced is never registered
             return None
 
 
@@ -228,12 +233,16 @@ class Request(Iterator[int]):
         return item  # type: ignore[return-value]
 
     async def aiter(self) -> AsyncIterator[int]:
-        """The token ids as an async iterator (needs a thread driving the scheduler, e.g. ``start()``)."""
+        """The token ids as an async iterator. Woken by the thread that drives the scheduler (``start()``,
+        ``Engine.batching()``); while none does, it steps the scheduler itself, on a worker thread."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
         def wake() -> None:
-            loop.call_soon_threadsafe(ready.set)
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop closed without closing this iterator: nobody waits any more
+                pass
 
         with self._cond:
             self._listeners.append(wake)
@@ -244,7 +253,11 @@ class Request(Iterator[int]):
                     if item is None:
                         ready.clear()
                 if item is None:
-                    await ready.wait()
+                    if self.driven:
+                        with contextlib.suppress(TimeoutError):  # rechecked: a driver may stop
+                            await asyncio.wait_for(ready.wait(), timeout=0.5)
+                    elif not await loop.run_in_executor(None, self._scheduler.step) and not self._out:
+                        raise KameraError("the scheduler has no work it can run for this request")
                     continue
                 try:
                     yield self._item(item)
@@ -254,7 +267,8 @@ class Request(Iterator[int]):
             with self._cond:
                 self._listeners.remove(wake)
             if self.state not in ("done", "failed", "cancelled"):
-                self.cancel()
+                # withdrawn off the event loop: a cancel waits for the step in progress to end
+                await loop.run_in_executor(None, self.cancel)
 
     def close(self) -> None:
         """Withdraw the request if it is still running (what a consumer that stops reading does)."""
@@ -998,24 +1012,24 @@ class Scheduler:
         """Mark the current thread as the one that steps this scheduler (consumers elsewhere wait)."""
         self._driver = threading.get_ident()
         with _DRIVEN_LOCK:
-            _DRIVEN[self.engine] = self
+            _DRIVEN[_model_of(self.engine)] = self
         try:
             yield
         finally:
             self._driver = None
             with _DRIVEN_LOCK:
-                if _DRIVEN.get(self.engine) is self:
-                    del _DRIVEN[self.engine]
+                if _DRIVEN.get(_model_of(self.engine)) is self:
+                    del _DRIVEN[_model_of(self.engine)]
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request runs or waits and no window forward is queued (a thread must drive the
         scheduler meanwhile); False if ``timeout`` seconds passed first."""
         deadline = None if timeout is None else time.perf_counter() + timeout
-        with self._wake:
-            while self.has_work():
-                left = None if deadline is None else deadline - time.perf_counter()
-                if left is not None and left <= 0:
-                    return False
+        while self.has_work():  # not under ``_wake``: a step takes ``_lock`` then ``_wake`` (``_finish``)
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                return False
+            with self._wake:
                 self._wake.wait(0.05 if left is None else min(0.05, left))
         return True
 
@@ -1065,21 +1079,24 @@ def batching(engine: Engine, **options: Any) -> Iterator[Scheduler]:
     leaving, the answers in progress finish first (or, when the block raises, are cancelled); then the thread
     stops and the engines run unbatched again."""
     sched = Scheduler(engine, **options)
+    model = _model_of(engine)
     with _BATCHING_LOCK:
-        if engine.model in _BATCHING or driven_scheduler(engine) is not None:
+        if model in _BATCHING or driven_scheduler(engine) is not None:
             raise InvalidInputError("this engine is already batching (engine.batching(), or a server's scheduler)")
-        _BATCHING[engine.model] = sched
-    sched.start()
+        _BATCHING[model] = sched
+    ok = False
     try:
+        sched.start()
         yield sched
-    except BaseException:
-        sched.cancel_all()
-        raise
-    else:
-        sched.wait_idle()
+        ok = True
     finally:
-        with _BATCHING_LOCK:  # new work runs unbatched; callers still waiting on a forward step it themselves
-            del _BATCHING[engine.model]
+        with _BATCHING_LOCK:  # first: new work runs unbatched from here on
+            del _BATCHING[model]
+        if ok:
+            sched.wait_idle()  # the answers in progress finish, driven as before
+        else:
+            sched.cancel_all()
+        # a consumer or caller of work that arrives after this steps the scheduler itself
         sched.stop()
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
+log = logging.getLogger("kamera")
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -41,3 +43,16 @@ async def to_thread(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) ->
     page)`` from many agents at once lets every agent's forward join the same step."""
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(_pool(), call)
+
+
+def in_background(fn: Callable[[], object]) -> None:
+    """Run ``fn()`` on the pool without waiting for it (a withdrawal from a done-callback or a cancelled call);
+    a failure is logged."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("kamera: background call %r failed", fn)
+
+    _pool().submit(run)

@@ -13,6 +13,7 @@ import copy
 import functools
 import logging
 import operator
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -37,7 +38,7 @@ from kamera_engine.decode import AsyncTextStream, TextStream, stop_strings
 from kamera_engine.runner import Prefilled
 
 from . import vision
-from .aio import to_thread
+from .aio import in_background, to_thread
 from .background import BackgroundQueue, IdleWorker, Phase, Task, gate_of
 from .chunks import VISION_KINDS, Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
 from .compress import CompressionPolicy, make_compressor
@@ -685,13 +686,13 @@ class ContextWindow:
             seed=seed,
             grammar=grammar,
         )
-        started = asyncio.ensure_future(to_thread(call))
+        handoff = _Handoff()
         try:
-            text = await asyncio.shield(started)
+            text = await asyncio.shield(asyncio.ensure_future(to_thread(handoff.run, call)))
         except asyncio.CancelledError:  # the window's work ends on its thread; the answer it starts is withdrawn
-            started.add_done_callback(_close_started)
+            handoff.abandon()
             raise
-        pieces = text.aiter()
+        pieces = text.aiter(to_thread=to_thread)
         if stream:
             return pieces
         try:
@@ -1283,7 +1284,25 @@ class ContextWindow:
         self._stats.log(Decision(step=self._state.step, chunk="*", source="plan", reason=plan.summary()))
 
 
-def _close_started(started: asyncio.Future[TextStream]) -> None:
-    """Close the answer a cancelled ``agenerate`` started (its window work had already begun)."""
-    if not started.cancelled() and started.exception() is None:
-        started.result().close()
+class _Handoff:
+    """The answer a window thread starts for ``agenerate``, and whether the call still wants it: a call cancelled
+    while the window's work runs withdraws the answer that work starts, whichever of the two ends first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stream: TextStream | None = None
+        self._abandoned = False
+
+    def run(self, start: Callable[[], TextStream]) -> TextStream:
+        stream = start()
+        with self._lock:
+            self._stream, abandoned = stream, self._abandoned
+        if abandoned:
+            stream.close()
+        return stream
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned, stream = True, self._stream
+        if stream is not None:
+            in_background(stream.close)  # off the event loop: a withdrawal may wait for a step to end

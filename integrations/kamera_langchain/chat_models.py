@@ -641,11 +641,21 @@ class ChatKamera(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         """``_stream`` read chunk by chunk on Kamera's window threads (as ``_agenerate``); a consumer that
-        stops early closes it (the answer is withdrawn)."""
+        stops early closes it (the answer is withdrawn). A read and the close take one lock: a consumer cancelled
+        while a read runs closes the stream once that read has ended."""
         chunks = self._stream(messages, stop, run_manager.get_sync() if run_manager is not None else None, **kwargs)
-        done = object()
+        lock, done = threading.Lock(), object()
+
+        def pull() -> object:
+            with lock:
+                return next(chunks, done)
+
+        def close() -> None:
+            with lock:
+                chunks.close()
+
         try:
-            while (chunk := await to_thread(next, chunks, done)) is not done:
+            while (chunk := await to_thread(pull)) is not done:
                 yield chunk  # type: ignore[misc]
         finally:
-            await to_thread(chunks.close)
+            await to_thread(close)

@@ -315,7 +315,8 @@ def test_selective_recompute_runs_between_steps_bit_for_bit(engine: Engine) -> N
         )
     ]
     sched = Scheduler(engine)
-    reqs = [sched.submit(None, random_ids(4, 90 + i), 0, SamplingParams(max_new_tokens=30)) for i in range(2)]
+    # decodes long enough to still run while the recomputes do (they start after the driver's first steps)
+    reqs = [sched.submit(None, random_ids(4, 90 + i), 0, SamplingParams(max_new_tokens=300)) for i in range(2)]
     sched.start()
     out: list = [None] * 3
     try:
@@ -332,6 +333,8 @@ def test_selective_recompute_runs_between_steps_bit_for_bit(engine: Engine) -> N
             t.start()
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert not any(r.done for r in reqs)  # the decodes still ran when the recomputes had ended
         for r in reqs:
             list(r)
     finally:

@@ -116,6 +116,10 @@ def test_aclose_closes_the_token_source_and_a_read_stream_has_no_aiter() -> None
     next(read)
     with pytest.raises(InvalidInputError, match="already read"):
         read.aiter()
+    taken = TextStream(iter([0, 1]), _CharTokenizer(), SamplingParams())
+    taken.aiter()
+    with pytest.raises(InvalidInputError, match="through its aiter"):
+        next(taken)  # one reader only
 
 
 def test_top_p_keeps_only_the_nucleus() -> None:

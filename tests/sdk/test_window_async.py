@@ -84,7 +84,7 @@ def test_without_batching_agenerate_is_generate_on_worker_threads(engine: Engine
     assert asyncio.run(answer_all()) == expected
 
 
-LONG = dict(max_new_tokens=400)  # greedy, no stop: still decoding when the test withdraws it
+LONG = dict(max_new_tokens=2000)  # greedy, no stop: still decoding when the test withdraws it
 
 
 def test_a_closed_stream_leaves_the_others_as_alone(engine: Engine) -> None:
@@ -141,10 +141,10 @@ def test_leaving_the_block_finishes_answers_in_progress_then_the_engine_runs_unb
 
 def test_a_block_that_raises_cancels_its_answers(engine: Engine) -> None:
     with pytest.raises(RuntimeError, match="agent failed"), engine.batching() as sched:
-        stream = _window(engine, 1).generate(_prompt(1), stream=True, max_new_tokens=500)
+        stream = _window(engine, 1).generate(_prompt(1), stream=True, **LONG)
         raise RuntimeError("agent failed")
     assert sched.stats().cancelled == 1
-    assert len("".join(stream)) < 500 and engine.scheduler is None
+    assert len("".join(stream)) < 2000 and engine.scheduler is None
 
 
 def test_batching_twice_is_refused_and_leaves_the_first_on(engine: Engine) -> None:
@@ -160,3 +160,38 @@ def test_batching_twice_is_refused_and_leaves_the_first_on(engine: Engine) -> No
         assert engine.scheduler is sched
         assert _window(engine, 2).generate(_prompt(2), **SAMPLING[2]) == expected
         assert sched.stats().finished == 1
+
+
+def test_without_batching_a_cancelled_read_raises_cancelled_and_the_stream_closes(engine: Engine) -> None:
+    """No scheduler: tokens are decoded on worker threads. Cancelling a read while a token is being decoded
+    raises ``CancelledError`` (the close waits for that token instead of failing on a running generator), and
+    the window answers again as alone afterwards."""
+    expected = _alone(engine, 0)
+    window = _window(engine, 1)
+
+    async def run() -> str:
+        stream = await window.agenerate(_prompt(1), stream=True, **LONG)
+        await stream.__anext__()
+        reader = asyncio.ensure_future(stream.text())
+        await asyncio.sleep(0.05)  # a token is being decoded on a worker thread now
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await stream.aclose()
+        assert stream.tokens < 2000
+        return await _window(engine, 0).agenerate(_prompt(0), **SAMPLING[0])
+
+    assert asyncio.run(run()) == expected
+
+
+def test_a_request_read_async_with_no_driver_steps_the_scheduler_itself(engine: Engine) -> None:
+    from kamera_engine import SamplingParams
+
+    sched = Scheduler(engine)  # never started: nobody drives it
+    want = list(sched.submit(None, _prompt(0), 0, SamplingParams(max_new_tokens=12)))
+    req = sched.submit(None, _prompt(0), 0, SamplingParams(max_new_tokens=12))
+
+    async def read() -> list[int]:
+        return [t async for t in req.aiter()]
+
+    assert not req.driven and asyncio.run(read()) == want
