@@ -101,6 +101,20 @@ def tiny_engine(name: str, seed: int = 0) -> Engine:
     return Engine(tiny_model(name, seed), None, name=f"tiny-{name}", anchor_ids=ANCHOR)
 
 
+class CharTokenizer:
+    """Token i decodes to chr(ord('a') + i % 26): text, streams and stop strings on a tiny model."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def char_engine() -> Engine:
+    """A tiny Llama with ``CharTokenizer`` (answers as text, stop strings)."""
+    return Engine(tiny_model("llama"), CharTokenizer(), name="tiny-llama", anchor_ids=ANCHOR)
+
+
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def tiny(request: pytest.FixtureRequest) -> Engine:
     """A tiny random engine for each family / RoPE variant."""

@@ -219,11 +219,9 @@ def test_counting_forwards_from_many_threads_loses_nothing(engine: Engine) -> No
     assert engine.counters.forwards - before == threads * per
 
 
-def test_run_alone_is_the_unbatched_forward_and_never_runs_beside_a_step(engine: Engine) -> None:
-    """Forwards asked to run alone (``alone()``, and forwards outside ``serving``) while a driver steps
-    running decodes: each equals ``run_forward`` bit for bit, and the model never runs two forwards at once."""
-    cases = [(torch.tensor(random_ids(3 + i, 30 + i)), _past(engine, 2 + i, 40 + i)) for i in range(4)]
-    want = [run_forward(engine.model, ids, past, len(past), logits="all") for ids, past in cases]
+def _most_at_once(modules, pause: float) -> tuple[list[int], list]:
+    """Hooks that count how many of ``modules`` run at once (the most, in a one-item list, and the hooks to
+    remove); each call pauses ``pause`` seconds first, to widen the window in which an overlap would show."""
     active, most = [0], [0]
     lock = threading.Lock()
 
@@ -231,16 +229,29 @@ def test_run_alone_is_the_unbatched_forward_and_never_runs_beside_a_step(engine:
         with lock:
             active[0] += 1
             most[0] = max(most[0], active[0])
-        time.sleep(0.002)  # widen the window in which an overlap would show
+        time.sleep(pause)
 
     def leave(module, args, kwargs, output):
         with lock:
             active[0] -= 1
 
     hooks = [
-        engine.model.register_forward_pre_hook(enter, with_kwargs=True),
-        engine.model.register_forward_hook(leave, with_kwargs=True),
+        h
+        for m in modules
+        for h in (
+            m.register_forward_pre_hook(enter, with_kwargs=True),
+            m.register_forward_hook(leave, with_kwargs=True),
+        )
     ]
+    return most, hooks
+
+
+def test_run_alone_is_the_unbatched_forward_and_never_runs_beside_a_step(engine: Engine) -> None:
+    """Forwards asked to run alone (``alone()``, and forwards outside ``serving``) while a driver steps
+    running decodes: each equals ``run_forward`` bit for bit, and the model never runs two forwards at once."""
+    cases = [(torch.tensor(random_ids(3 + i, 30 + i)), _past(engine, 2 + i, 40 + i)) for i in range(4)]
+    want = [run_forward(engine.model, ids, past, len(past), logits="all") for ids, past in cases]
+    most, hooks = _most_at_once([engine.model], pause=0.002)
     sched = Scheduler(engine)
     reqs = [sched.submit(None, random_ids(4, 60 + i), 0, SamplingParams(max_new_tokens=30)) for i in range(2)]
     sched.start()
@@ -292,28 +303,7 @@ def test_selective_recompute_runs_between_steps_bit_for_bit(engine: Engine) -> N
         return recompute_tokens(engine, kv, ids, cand, ratio=0.5, check_layer=1 if i else None)
 
     want = [selective(i) for i in range(3)]
-    layers = engine.adapter.layers(engine.model)
-    active, most = [0], [0]
-    lock = threading.Lock()
-
-    def enter(module, args, kwargs):
-        with lock:
-            active[0] += 1
-            most[0] = max(most[0], active[0])
-        time.sleep(0.001)  # widen the window in which an overlap would show
-
-    def leave(module, args, kwargs, output):
-        with lock:
-            active[0] -= 1
-
-    hooks = [
-        h
-        for layer in layers
-        for h in (
-            layer.register_forward_pre_hook(enter, with_kwargs=True),
-            layer.register_forward_hook(leave, with_kwargs=True),
-        )
-    ]
+    most, hooks = _most_at_once(engine.adapter.layers(engine.model), pause=0.001)
     sched = Scheduler(engine)
     # decodes long enough to still run while the recomputes do (they start after the driver's first steps)
     reqs = [sched.submit(None, random_ids(4, 90 + i), 0, SamplingParams(max_new_tokens=300)) for i in range(2)]

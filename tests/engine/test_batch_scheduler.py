@@ -14,21 +14,12 @@ from kamera_engine.errors import CapacityError, InvalidInputError, KameraError
 from kamera_engine.kv import KV
 from kamera_engine.runner import run_forward
 from kamera_engine.scheduler import Scheduler
-from tests.conftest import random_ids, tiny_model
-
-
-class _CharTokenizer:
-    """Token i decodes to chr(ord('a') + i % 26): stop strings on a tiny model."""
-
-    eos_token_id = None
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
+from tests.conftest import CharTokenizer, char_engine, random_ids
 
 
 @pytest.fixture
 def engine() -> Engine:
-    return Engine(tiny_model("llama"), _CharTokenizer(), name="tiny-llama", anchor_ids=[1, 2, 3, 4])
+    return char_engine()
 
 
 def _past(engine: Engine, n: int, seed: int) -> KV | None:
@@ -95,11 +86,11 @@ def test_stop_strings_end_rows_early_in_the_scheduler(engine: Engine) -> None:
     past, ids = _past(engine, 4, 3), random_ids(1, 43)
     params = SamplingParams(max_new_tokens=15, stop=("k", "zz"))
     full = _single(engine, past, ids, 4, dict(max_new_tokens=15))[0]
-    text = _CharTokenizer().decode(full)
+    text = CharTokenizer().decode(full)
     req = Scheduler(engine).submit(past, ids, 4, params)
     got = list(req)
     if "k" in text:  # the row stopped on the token that completed the stop string
-        assert len(got) == len(_CharTokenizer().decode(full).split("k")[0]) + 1
+        assert len(got) == len(CharTokenizer().decode(full).split("k")[0]) + 1
         assert req.finish_reason == "stop"
     else:
         assert got == full
@@ -124,7 +115,7 @@ def test_window_generate_goes_through_the_scheduler(engine: Engine) -> None:
             streams.append(w.generate(p, 8, stream=True))
     assert sched.stats().submitted == len(windows)
     texts = ["".join(s) for s in streams]
-    assert texts == [_CharTokenizer().decode(a) for a in alone]
+    assert texts == [CharTokenizer().decode(a) for a in alone]
     assert sched.stats().batch_max == len(windows)
 
 

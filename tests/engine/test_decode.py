@@ -10,36 +10,29 @@ import torch
 from kamera_engine import Engine, InvalidInputError, SamplingParams
 from kamera_engine.decode import AsyncTextStream, TextStream, pick_token
 from kamera_engine.kv import KV, drop_tokens, to_cache
-from tests.conftest import ANCHOR, random_ids, tiny_engine
-
-
-class _CharTokenizer:
-    """Token i decodes to chr(ord('a') + i % 26); enough to test text streaming."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
+from tests.conftest import ANCHOR, CharTokenizer, random_ids, tiny_engine
 
 
 def test_stream_stops_at_stop_string_and_never_emits_it() -> None:
     params = SamplingParams(stop=("cd",))
-    pieces = list(TextStream(iter([0, 1, 2, 3, 4]), _CharTokenizer(), params))
+    pieces = list(TextStream(iter([0, 1, 2, 3, 4]), CharTokenizer(), params))
     assert "".join(pieces) == "ab"
     assert all("c" not in p for p in pieces)
 
 
 def test_stream_holds_back_a_possible_stop_prefix_then_releases_it() -> None:
     params = SamplingParams(stop=("cx",))
-    assert "".join(TextStream(iter([0, 1, 2, 3]), _CharTokenizer(), params)) == "abcd"
+    assert "".join(TextStream(iter([0, 1, 2, 3]), CharTokenizer(), params)) == "abcd"
 
 
 def test_stream_ends_at_eos() -> None:
     params = SamplingParams(eos_token_ids=(3,))
-    assert "".join(TextStream(iter([0, 1, 3, 4]), _CharTokenizer(), params)) == "ab"
+    assert "".join(TextStream(iter([0, 1, 3, 4]), CharTokenizer(), params)) == "ab"
 
 
 def test_a_stream_counts_decoded_tokens_and_says_why_it_ended() -> None:
     def run(tokens: list[int], **kw) -> tuple[str, int, str | None]:
-        stream = TextStream(iter(tokens), _CharTokenizer(), SamplingParams(**kw))
+        stream = TextStream(iter(tokens), CharTokenizer(), SamplingParams(**kw))
         assert (stream.tokens, stream.finish_reason) == (0, None)  # nothing decoded before it is read
         return "".join(stream), stream.tokens, stream.finish_reason
 
@@ -50,16 +43,17 @@ def test_a_stream_counts_decoded_tokens_and_says_why_it_ended() -> None:
     assert run([]) == ("", 0, "length")
 
 
+def _counting_to_ten(closed: list[bool]):
+    """Tokens 0..9; ``closed`` gets True when the generator is closed."""
+    try:
+        yield from range(10)
+    finally:
+        closed.append(True)
+
+
 def test_closing_a_stream_closes_its_token_source() -> None:
-    closed = []
-
-    def source():
-        try:
-            yield from range(10)
-        finally:
-            closed.append(True)
-
-    stream = TextStream(source(), _CharTokenizer(), SamplingParams())
+    closed: list[bool] = []
+    stream = TextStream(_counting_to_ten(closed), CharTokenizer(), SamplingParams())
     assert next(stream) == "a"
     stream.close()
     assert closed == [True] and stream.finish_reason is None
@@ -78,7 +72,7 @@ CASES = [
 def test_the_async_stream_is_the_stream(tokens: list[int], kw: dict) -> None:
     """The same pieces, token count and finish reason, from an async token source and from ``aiter()`` of a
     plain stream (its tokens read on a worker thread)."""
-    sync = TextStream(iter(tokens), _CharTokenizer(), SamplingParams(**kw))
+    sync = TextStream(iter(tokens), CharTokenizer(), SamplingParams(**kw))
     expected = (list(sync), sync.tokens, sync.finish_reason)
 
     async def source():
@@ -89,34 +83,28 @@ def test_the_async_stream_is_the_stream(tokens: list[int], kw: dict) -> None:
         assert stream.finish_reason is None
         return [p async for p in stream], stream.tokens, stream.finish_reason
 
-    direct = AsyncTextStream(source(), _CharTokenizer(), SamplingParams(**kw))
+    direct = AsyncTextStream(source(), CharTokenizer(), SamplingParams(**kw))
     assert asyncio.run(read(direct)) == expected
-    threaded = TextStream(iter(tokens), _CharTokenizer(), SamplingParams(**kw)).aiter()
+    threaded = TextStream(iter(tokens), CharTokenizer(), SamplingParams(**kw)).aiter()
     assert asyncio.run(read(threaded)) == expected
 
 
 def test_aclose_closes_the_token_source_and_a_read_stream_has_no_aiter() -> None:
-    closed = []
-
-    def source():
-        try:
-            yield from range(10)
-        finally:
-            closed.append(True)
+    closed: list[bool] = []
 
     async def two_pieces_then_close(stream: AsyncTextStream) -> list[str]:
         got = [await stream.__anext__(), await stream.__anext__()]
         await stream.aclose()
         return got
 
-    stream = TextStream(source(), _CharTokenizer(), SamplingParams())
+    stream = TextStream(_counting_to_ten(closed), CharTokenizer(), SamplingParams())
     assert asyncio.run(two_pieces_then_close(stream.aiter())) == ["a", "b"]
     assert closed == [True]
-    read = TextStream(iter([0, 1]), _CharTokenizer(), SamplingParams())
+    read = TextStream(iter([0, 1]), CharTokenizer(), SamplingParams())
     next(read)
     with pytest.raises(InvalidInputError, match="already read"):
         read.aiter()
-    taken = TextStream(iter([0, 1]), _CharTokenizer(), SamplingParams())
+    taken = TextStream(iter([0, 1]), CharTokenizer(), SamplingParams())
     taken.aiter()
     with pytest.raises(InvalidInputError, match="through its aiter"):
         next(taken)  # one reader only

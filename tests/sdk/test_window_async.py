@@ -13,7 +13,7 @@ from kamera_engine import Engine, InvalidInputError
 from kamera_engine.scheduler import Scheduler
 from kamera_sdk import ContextWindow
 from kamera_sdk.policies import POLICIES
-from tests.conftest import random_ids, tiny_model
+from tests.conftest import char_engine, random_ids
 
 POLICY_NAMES = sorted(POLICIES)
 #: per window: greedy, temperature with a seed, top-p, stop strings (cycled)
@@ -25,18 +25,9 @@ SAMPLING = [
 ]
 
 
-class _CharTokenizer:
-    """Token i decodes to chr(ord('a') + i % 26): stop strings on a tiny model."""
-
-    eos_token_id = None
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-
 @pytest.fixture
 def engine() -> Engine:
-    return Engine(tiny_model("llama"), _CharTokenizer(), name="tiny-llama", anchor_ids=[1, 2, 3, 4])
+    return char_engine()
 
 
 def _window(engine: Engine, i: int, policy: str = "kamera") -> ContextWindow:
