@@ -28,7 +28,6 @@ work that does not fit waits in a bounded queue, and past that it is refused wit
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import threading
@@ -253,9 +252,8 @@ class Request(Iterator[int]):
                     if item is None:
                         ready.clear()
                 if item is None:
-                    if self.driven:
-                        with contextlib.suppress(TimeoutError):  # rechecked: a driver may stop
-                            await asyncio.wait_for(ready.wait(), timeout=0.5)
+                    if self.driven:  # a driver that stops wakes us (``Scheduler.driving``): then we step it
+                        await ready.wait()
                     elif not await loop.run_in_executor(None, self._scheduler.step) and not self._out:
                         raise KameraError("the scheduler has no work it can run for this request")
                     continue
@@ -292,6 +290,11 @@ class Request(Iterator[int]):
     def _emit(self, item: object) -> None:
         with self._cond:
             self._out.append(item)
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake its consumers: a token or its end is out, or its scheduler's driver stopped."""
+        with self._cond:
             self._cond.notify_all()
             listeners = list(self._listeners)
         for wake in listeners:
@@ -1020,6 +1023,10 @@ class Scheduler:
             with _DRIVEN_LOCK:
                 if _DRIVEN.get(_model_of(self.engine)) is self:
                     del _DRIVEN[_model_of(self.engine)]
+            with self._lock:
+                live = [*self._running, *self._waiting]
+            for req in live:  # a consumer waiting for this driver's steps steps the scheduler itself now
+                req._notify()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request runs or waits and no window forward is queued (a thread must drive the

@@ -186,3 +186,26 @@ def test_a_request_read_async_with_no_driver_steps_the_scheduler_itself(engine: 
         return [t async for t in req.aiter()]
 
     assert not req.driven and asyncio.run(read()) == want
+
+
+def test_an_async_reader_goes_on_when_the_driver_stops(engine: Engine) -> None:
+    """An async reader whose scheduler's driver stops mid-answer goes on stepping the scheduler itself, and gets
+    the answer it would have had. (A stopping driver also wakes readers waiting on it, which closes a race between
+    its last token and its stop that no test hits reliably.)"""
+    from kamera_engine import SamplingParams
+
+    sched = Scheduler(engine)
+    want = list(sched.submit(None, _prompt(1), 0, SamplingParams(max_new_tokens=600)))
+    req = sched.submit(None, _prompt(1), 0, SamplingParams(max_new_tokens=600))
+    sched.start()
+
+    async def read() -> list[int]:
+        got = []
+        async for token in req.aiter():
+            got.append(token)
+            if len(got) == 3:
+                await asyncio.to_thread(sched.stop)  # mid-answer
+        return got
+
+    assert asyncio.run(asyncio.wait_for(read(), timeout=60)) == want
+    assert not req.driven
