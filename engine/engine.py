@@ -366,10 +366,19 @@ class Engine:
 
     # --- forward passes -----------------------------------------------------------------------
     def forward(
-        self, ids: Sequence[int] | torch.Tensor, past: Past, start: int, *, logits: str = "last"
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        past: Past,
+        start: int,
+        *,
+        logits: str = "last",
+        answer: SamplingParams | None = None,
     ) -> ForwardResult:
         """Prefill ``ids`` at positions ``start...`` after ``past`` (a placed KV or its parts in order);
-        counted in ``counters``."""
+        counted in ``counters``. ``answer`` (with ``logits="last"``): the sampling of the answer the caller
+        decodes on from this forward's end. Where the forward runs in a scheduler's step, that step queues
+        the answer (``Scheduler.carry``) and the result's ``answer`` is the request; elsewhere it is None and
+        the caller decodes from ``prefilled`` (``continue_ids``), with the same tokens either way."""
         input_ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long)
         limit = self.adapter.max_context()
         total = start + int(input_ids.numel())
@@ -380,7 +389,7 @@ class Engine:
             )
         self.check_length(total)
         t0 = time.perf_counter()
-        res = self._run(input_ids, past, start, logits)
+        res = self._run(input_ids, past, start, logits, answer=answer)
         self.count_forward(int(input_ids.numel()), time.perf_counter() - t0)
         return res
 
@@ -453,7 +462,9 @@ class Engine:
         if bad:
             raise InvalidInputError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
 
-    def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
+    def _run(
+        self, input_ids: torch.Tensor, past: Past, start: int, logits: str, *, answer: SamplingParams | None = None
+    ) -> ForwardResult:
         """The forward itself (a model family with its own inputs, e.g. vision, overrides this)."""
         self.check_ids(input_ids)
         batching = active_scheduler(self)
@@ -466,7 +477,7 @@ class Engine:
         # scheduler, run between two steps, the unbatched path bit for bit: one forward at a time
         recorders = active_recorders()
         if batching is not None and not forwards_alone() and packable(recorders):
-            carried = sched.carry(input_ids, past, start, logits, recorders=recorders)
+            carried = sched.carry(input_ids, past, start, logits, recorders=recorders, answer=answer, key=batching[1])
             if carried is not None:
                 return carried
         return sched.run_alone(lambda: run_forward(self.model, input_ids, past, start, logits=logits))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import cache as memoised
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from .errors import InvalidInputError, UnsupportedModelError
 from .kv import KV, Past, past_parts, to_cache
 from .window_buffer import BufferedKV
 
+if TYPE_CHECKING:
+    from .scheduler import Request
+
 
 @dataclass(slots=True)
 class ForwardResult:
@@ -33,6 +36,14 @@ class ForwardResult:
     kv: KV  # (L, T_new, H, D), positions = the new tokens' positions; a copy the caller owns (never a view of a cache)
     logits: torch.Tensor  # (T_new, vocab) or (1, vocab) when only the last was asked for
     cache: DynamicCache  # the transformers cache after the forward (past + new), for decoding on
+    # the answer a scheduler started decoding from this forward's end (``Engine.forward(..., answer=...)``),
+    # already queued for the step after the forward's; None where none was started (decode from ``prefilled``)
+    answer: Request | None = None
+
+    def take_answer(self) -> Request | None:
+        """The answer started from this forward (``answer``), handed over once: later calls get None."""
+        answer, self.answer = self.answer, None
+        return answer
 
     def prefilled(self, next_position: int) -> Prefilled:
         """A reusable snapshot of this forward for decoding on (shares tensors; nothing is copied)."""

@@ -50,12 +50,11 @@ from .batch import DecodeSlab, Row, RowCache, batched_forward, packed_length, ro
 from .decode import SamplingParams, next_token
 from .errors import CapacityError, InvalidInputError, KameraError
 from .kv import Past, past_parts
-from .runner import ForwardResult, run_forward
+from .runner import ForwardResult, Prefilled, run_forward
 from .threads import small_kernels_inline
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .runner import Prefilled
 
 T = TypeVar("T")
 log = logging.getLogger("kamera.scheduler")
@@ -154,6 +153,7 @@ class SchedulerStats(BaseModel):
     carried_rows_max: int = 0  # most window forwards' rows in one step
     carried_waiting: int = 0  # window forwards waiting for or running in steps now
     carried_failed: int = 0  # window forwards whose planning or assembly failed (the caller got the error)
+    follow_ons: int = 0  # answers queued by the step that ran their prompt's forward (``carry(..., answer=...)``)
     alone: int = 0  # forwards run alone between steps on request (``run_alone``: ``alone()``, idle-time work)
     kv_bytes: int = 0  # held now by admitted requests
     kv_bytes_peak: int = 0
@@ -317,6 +317,8 @@ class _Carried:
     result: ForwardResult | None = None
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
+    answer: Request | None = None  # the answer to start from its end (``carry(..., answer=...)``), made by its caller
+    answer_queued: bool = False  # whether the step that finished it queued that answer
 
 
 @dataclass(eq=False, slots=True)
@@ -365,6 +367,11 @@ class Scheduler:
     may hold on the device (None: no limit). ``max_waiting``: requests that may wait for admission
     before new ones are refused.
     """
+
+    #: whether ``carry`` lets a forward's step queue the answer its caller decodes on from it (``answer=``);
+    #: False leaves every submission to the caller, as before follow-ons existed (for comparison:
+    #: ``scripts/follow_on_ab.py``)
+    follow_ons: bool = True
 
     def __init__(
         self,
@@ -467,25 +474,31 @@ class Scheduler:
 
     def _enqueue(self, req: Request) -> Request:
         with self._lock:
-            if self.kv_budget_bytes is not None and req.need_bytes > self.kv_budget_bytes:
+            refusal = self._refusal(req)
+            if refusal is not None:
                 self._stats.refused += 1
-                raise CapacityError(
-                    f"the request needs {req.need_bytes} bytes of KV, more than the scheduler's whole budget "
-                    f"of {self.kv_budget_bytes}",
-                    retry_after_s=None,
-                )
-            if len(self._waiting) >= self.max_waiting and not self._fits_now(req):
-                self._stats.refused += 1
-                raise CapacityError(
-                    f"the engine is at capacity ({len(self._running)} running, {len(self._waiting)} waiting, "
-                    f"{self._kv_bytes} of {self.kv_budget_bytes} KV bytes held); try again later",
-                    retry_after_s=self.retry_after(),
-                )
+                raise refusal
             self._waiting.append(req)
             self._stats.submitted += 1
         with self._wake:
             self._wake.notify_all()
         return req
+
+    def _refusal(self, req: Request) -> CapacityError | None:
+        """Why ``req`` cannot be queued now, or None (the caller holds ``_lock``)."""
+        if self.kv_budget_bytes is not None and req.need_bytes > self.kv_budget_bytes:
+            return CapacityError(
+                f"the request needs {req.need_bytes} bytes of KV, more than the scheduler's whole budget "
+                f"of {self.kv_budget_bytes}",
+                retry_after_s=None,
+            )
+        if len(self._waiting) >= self.max_waiting and not self._fits_now(req):
+            return CapacityError(
+                f"the engine is at capacity ({len(self._running)} running, {len(self._waiting)} waiting, "
+                f"{self._kv_bytes} of {self.kv_budget_bytes} KV bytes held); try again later",
+                retry_after_s=self.retry_after(),
+            )
+        return None
 
     def _fits_now(self, req: Request) -> bool:
         return self.kv_budget_bytes is None or self._kv_bytes + req.need_bytes <= self.kv_budget_bytes
@@ -641,7 +654,15 @@ class Scheduler:
         return bool(jobs)
 
     def carry(
-        self, ids: torch.Tensor, past: Past, start: int, logits: str, *, recorders: Sequence[Recorder] = ()
+        self,
+        ids: torch.Tensor,
+        past: Past,
+        start: int,
+        logits: str,
+        *,
+        recorders: Sequence[Recorder] = (),
+        answer: SamplingParams | None = None,
+        key: Hashable | None = None,
     ) -> ForwardResult | None:
         """Run a caller's own forward (``Engine.forward``: a window's new page, its prompt, a cascade) in the
         scheduler's steps: as one more row of a step that also advances every running decode by one token,
@@ -660,17 +681,65 @@ class Scheduler:
 
         ``recorders``: the caller's RoPE recorders (``capture.active_recorders``, all ``capture.packable``; a
         canonical's pre-RoPE keys): they see this forward's tokens of every call and nothing of the other rows
-        (``capture.recording_rows``), once the forward has run; such a forward is never split over steps."""
+        (``capture.recording_rows``), once the forward has run; such a forward is never split over steps.
+
+        ``answer`` (with ``logits="last"``): the sampling of an answer to decode on from the forward's end, under
+        ``key`` as ``submit_prefilled``. The step that finishes the forward queues it, so it joins the very next
+        step instead of the one after its caller gets round to submitting it; the result's ``answer`` is that
+        request, or None where none was queued (a forward that ran alone, a request the scheduler would refuse
+        now): the caller then submits it from the result's ``prefilled`` as before, and any refusal is raised
+        there. Its tokens are the ones that submission would give."""
         if logits not in ("last", "all", "none"):
             return None
         item = _Carried(ids.to(torch.long).reshape(-1), past, start, logits, tuple(recorders))
+        if answer is not None and logits == "last" and self.follow_ons:
+            item.answer = self._follow_on(start + int(item.ids.numel()), answer, key)
         self._queue_and_await(self._carried, item, item.finished)
+        queued = item.answer if item.answer_queued else None
         if item.error is not None:
+            if queued is not None:
+                queued.cancel()
             raise item.error
-        if item.result is None:  # it ran in steps: its result is put together on this thread (copies: inline)
+        if item.result is not None:  # it ran alone: its caller decodes from the result
+            return item.result
+        try:  # it ran in steps: its result is put together on this thread (copies: inline)
             with small_kernels_inline():
-                return self._carried_result(item)
-        return item.result
+                result = self._carried_result(item)
+        except BaseException:
+            if queued is not None:
+                queued.cancel()
+            raise
+        result.answer = queued
+        return result
+
+    def _follow_on(self, position: int, params: SamplingParams, key: Hashable | None) -> Request | None:
+        """The answer a carried forward starts at ``position``, made on its caller's thread (a grammar's walk is
+        built here, not in a step); None when its checks fail (the caller's own submission raises the error)."""
+        try:
+            params.validate()
+            self._check_positions(position, params)
+            return Request(self, self._key(key), self._with_eos(params), 0)
+        except KameraError:
+            return None
+
+    def _queue_follow_on(self, item: _Carried) -> None:
+        """Queue the answer of a carried forward whose last chunk just ran (on the stepping thread), decoding on
+        from the row as it is (``_start`` reads it in place until the slab copies it), unless the scheduler
+        would refuse it now."""
+        req, cache = item.answer, item.cache
+        if req is None or cache is None or not item.pieces:
+            return
+        n = int(item.ids.numel())
+        req.need_bytes = (item.n_past + n + req.params.max_new_tokens) * self.bytes_per_token
+        with self._lock:
+            if self._refusal(req) is not None:
+                return
+            req._prefilled = Prefilled(item.pieces[-1], cache.layers(), item.start + n)
+            req.submitted_at = time.perf_counter()
+            self._waiting.append(req)
+            self._stats.submitted += 1
+            self._stats.follow_ons += 1
+        item.answer_queued = True
 
     def _lone_window_forward(self) -> _Carried | None:
         """The one window forward to run alone: nothing decoding, no prompt to prefill, no other window
@@ -730,6 +799,11 @@ class Scheduler:
         if logits is not None:
             item.pieces.append(logits)
         if chunk.final:
+            if item.answer is not None:
+                try:
+                    self._queue_follow_on(item)
+                except Exception:  # not queued: its caller submits it from the result (and sees any error there)
+                    log.exception("queueing a follow-on answer failed")
             self._carried_finish(item)  # its caller puts the result together (``_carried_result``)
 
     def _carried_result(self, item: _Carried) -> ForwardResult:

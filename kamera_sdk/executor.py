@@ -22,6 +22,7 @@ from functools import cached_property
 import torch
 
 from kamera_engine import KV, Engine, Patch
+from kamera_engine.decode import SamplingParams
 from kamera_engine.runner import ForwardResult
 from kamera_engine.selective import recompute_tokens
 from kamera_engine.window_buffer import Key, WindowBuffer
@@ -117,9 +118,12 @@ class Executor:
         graph: DependencyGraph,
         step: int,
         prompt: list[int] | None = None,
+        answer: SamplingParams | None = None,
     ) -> Execution:
         """Assemble the window. ``prompt``: token ids to prefill in the trailing forward run, if the plan
-        ends with one (``Execution.prompt`` then holds that forward; otherwise it is None)."""
+        ends with one (``Execution.prompt`` then holds that forward; otherwise it is None). ``answer``: the
+        sampling of the answer decoded on from that prompt; where the forward's step started it
+        (``Engine.forward``), it is ``Execution.prompt.answer``, withdrawn if the assembly fails after."""
         e = self.engine
         fuse = prompt is not None and plan.recompute is None
         prompt_result: ForwardResult | None = None
@@ -151,12 +155,17 @@ class Executor:
                     j += 1
                 run = plan.slots[i:j]
                 tail = prompt if fuse and j == len(plan.slots) else None
-                kvs, prompt_result = self._forward_run(run, [buffer.view()], tail)
-                for k, kv in enumerate(kvs):
-                    t = time.perf_counter()
-                    view = buffer.append(kv)  # (rows the forward wrote already: one copy, no rotation)
-                    placing[0] += time.perf_counter() - t
-                    add(run[k], slots[i + k], kv, view, formed=True)
+                kvs, prompt_result = self._forward_run(run, [buffer.view()], tail, answer if tail else None)
+                try:
+                    for k, kv in enumerate(kvs):
+                        t = time.perf_counter()
+                        view = buffer.append(kv)  # (rows the forward wrote already: one copy, no rotation)
+                        placing[0] += time.perf_counter() - t
+                        add(run[k], slots[i + k], kv, view, formed=True)
+                except BaseException:
+                    if prompt_result is not None and prompt_result.answer is not None:
+                        prompt_result.answer.close()  # nobody will read it
+                    raise
                 i = j
                 continue
             t = time.perf_counter()
@@ -281,15 +290,16 @@ class Executor:
         return res.kv, placed
 
     def _forward_run(
-        self, run: list[SlotPlan], parts: list[KV], prompt: list[int] | None
+        self, run: list[SlotPlan], parts: list[KV], prompt: list[int] | None, answer: SamplingParams | None = None
     ) -> tuple[list[KV], ForwardResult | None]:
-        """One forward over a run of slots (and the prompt behind them, if given) on top of everything
-        assembled so far. Returns each slot's placed KV, and the forward itself when the prompt rode in it."""
+        """One forward over a run of slots (and the prompt behind them, if given, with the answer to start
+        from it) on top of everything assembled so far. Returns each slot's placed KV, and the forward itself
+        when the prompt rode in it."""
         ids = [t for sp in run for t in sp.chunk.token_ids]
         t0 = time.perf_counter()
         with self.meter.measure(Work.CONTEXT) as work:
             res = self.engine.forward(
-                ids + (prompt or []), parts, run[0].start, logits="none" if prompt is None else "last"
+                ids + (prompt or []), parts, run[0].start, logits="none" if prompt is None else "last", answer=answer
             )
             work.move(Work.PROMPT, len(prompt or []))  # the prompt rode in this forward
         self.stats.time("forward", time.perf_counter() - t0)

@@ -620,15 +620,25 @@ class ContextWindow:
             raise InvalidInputError("this engine has no tokenizer; generate needs text decoding")
         self._check_compression(ids)
         self._new_use()
-        plan, execution = self._materialise(ids if self.compressor is None else None)
-        t0 = time.perf_counter()
-        memo = self._prefilled(ids) if self.compressor is None else None
-        if self.compressor is not None:
-            tokens = decode_compressed(self.engine, self._compress(ids), self.compressor, params)
-        else:
-            tokens = self._answer_ids(ids, plan, execution, memo, params)
-        pieces = self.engine.stream(tokens, params)
-        self._count_prompt(ids, t0)
+        fused = self.compressor is None  # the prompt rides in the window's trailing forward, if it has one
+        plan, execution = self._materialise(ids if fused else None, answer=params if fused else None)
+        # the answer that forward's step started (``Engine.forward``): it decodes in the next step already
+        started = execution.prompt.take_answer() if execution.prompt is not None else None
+        try:
+            t0 = time.perf_counter()
+            memo = self._prefilled(ids) if fused else None
+            if self.compressor is not None:
+                tokens = decode_compressed(self.engine, self._compress(ids), self.compressor, params)
+            elif started is not None:
+                tokens = started
+            else:
+                tokens = self._answer_ids(ids, plan, execution, memo, params)
+            pieces = self.engine.stream(tokens, params)
+            self._count_prompt(ids, t0)
+        except BaseException:
+            if started is not None:
+                started.close()
+            raise
         return pieces if stream else "".join(pieces)
 
     @overload
@@ -1162,9 +1172,13 @@ class ContextWindow:
             return None
         return memo[1]
 
-    def _materialise(self, prompt: list[int] | None = None) -> tuple[Plan, Execution]:
+    def _materialise(
+        self, prompt: list[int] | None = None, *, answer: SamplingParams | None = None
+    ) -> tuple[Plan, Execution]:
         """Plan and assemble the window (cached until the next change). ``prompt``: prefill it in the
-        plan's trailing forward when there is one (then kept for ``_prefilled``)."""
+        plan's trailing forward when there is one (then kept for ``_prefilled``). ``answer``: the sampling of
+        the answer decoded on from that prompt, started by the forward's step where it runs in one
+        (``Execution.prompt.answer``, for the caller to take; withdrawn here if what follows fails)."""
         if not self._state.slots:
             raise WindowOperationError("the window is empty: add a chunk first")
         if self._cache is not None:
@@ -1174,8 +1188,19 @@ class ContextWindow:
         self._form_orphans_for_plan()
         plan = self._cost_plan(self.policy.plan(self._view()), len(prompt or []))
         execution: Execution = self._executor.run(
-            plan, self._state.slots, self.policy.keeps_slot_kv, self._state.graph, self._state.step, prompt
+            plan, self._state.slots, self.policy.keeps_slot_kv, self._state.graph, self._state.step, prompt, answer
         )
+        try:
+            self._materialised(plan, execution, prompt, t0)
+        except BaseException:
+            started = execution.prompt.take_answer() if execution.prompt is not None else None
+            if started is not None:
+                started.close()
+            raise
+        return plan, execution
+
+    def _materialised(self, plan: Plan, execution: Execution, prompt: list[int] | None, t0: float) -> None:
+        """Record an assembly that just ran: the slots' new states, the cache, the stats and the work it leaves."""
         self._compiled_by(plan)
         self._deferred_since_use.clear()  # a use: the agent acts (idle time) before the next one
         self._queue.replace("place", None)  # the use placed the window itself
@@ -1190,7 +1215,6 @@ class ContextWindow:
         if execution.prompt is not None:  # only when a prompt was passed
             assert prompt is not None
             self._prompt_memo = (tuple(prompt), execution.prompt.prefilled(plan.end + len(prompt)))
-        return plan, execution
 
     # --- the cost-based plan (plan_cost) ---------------------------------------------------------------
     def _cost_plan(self, plan: Plan, prompt_len: int, *, count: bool = True, inline: bool = False) -> Plan:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..decode import SamplingParams
 from ..engine import Engine
 from ..errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from ..kv import KV, Past
@@ -237,9 +238,12 @@ class VisionEngine(Engine):
 
     # --- forward ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, input_ids: torch.Tensor, past: Past, start: int, logits: str) -> ForwardResult:
+    def _run(
+        self, input_ids: torch.Tensor, past: Past, start: int, logits: str, *, answer: SamplingParams | None = None
+    ) -> ForwardResult:
         """Text and virtual vision ids at linear positions ``start...``; vision rows come from the cache of
-        tower outputs, M-RoPE positions from their deltas."""
+        tower outputs, M-RoPE positions from their deltas. Never in a scheduler's step (``batchable``), so no
+        ``answer`` is started here: the caller decodes from the result."""
         dev = self.device
         cache, n_past = past_cache(input_ids, past, self._text_config(), dev)
         n_new = int(input_ids.shape[0])

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kamera_engine import Engine, SamplingParams
+from kamera_engine import CapacityError, Engine, InvalidInputError, SamplingParams
 from kamera_engine.batch import RowCache
 from kamera_engine.runner import ForwardResult
 from kamera_engine.scheduler import Scheduler
@@ -206,3 +206,107 @@ def test_a_failing_window_forward_raises_on_its_own_thread_only(engine: Engine) 
         got = out[i]
         assert got is not None
         _same(got, alone[i])
+
+
+#: the answers the follow-on tests start: greedy, and sampled with a seed (its generator starts at admission)
+ANSWERS = [dict(max_new_tokens=6), dict(max_new_tokens=5, temperature=0.9, seed=3), dict(max_new_tokens=7)]
+
+
+def _carry_answering(sched: Scheduler, cases, answers) -> tuple[list[ForwardResult | None], list[threading.Thread]]:
+    out: list[ForwardResult | None] = [None] * len(cases)
+
+    def run(i: int) -> None:
+        ids, past, start, _ = cases[i]
+        with sched.serving(key=i):
+            out[i] = sched.engine.forward(ids, past, start, logits="last", answer=answers[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    return out, threads
+
+
+def test_an_answer_started_by_its_forwards_step_decodes_from_the_next_step_as_submitted(engine: Engine) -> None:
+    """``forward(..., answer=...)`` in a step: that step queues the answer, so the very next step admits it (its
+    first token) and decodes its second, with no round trip through the caller; its tokens are those the
+    caller's own submission from the result gives (greedy and sampled)."""
+    cases = _cases(engine, 3)
+    sched = Scheduler(engine)
+    with sched.driving():
+        out, threads = _carry_answering(sched, cases, [SamplingParams(**kw) for kw in ANSWERS])
+        _wait_until(lambda: sched.stats().carried_waiting == len(cases))
+        assert sched.step()  # the three forwards, in one step
+        for t in threads:
+            t.join()
+        answers = [r.answer if r is not None else None for r in out]
+        assert all(a is not None and a.state == "waiting" for a in answers)
+        assert sched.stats().follow_ons == len(cases)
+        assert sched.step()  # admitted (first token from the forward's logits) and decoded once
+        assert all(a is not None and len(a.generated) >= 1 for a in answers)
+        while sched.step():
+            pass
+        started = [list(a.generated) for a in answers if a is not None]
+        # the caller's own submission from the same result, as before (each result hands its answer over once)
+        again = []
+        for (ids, _, start, _), res, kw in zip(cases, out, ANSWERS, strict=True):
+            assert res is not None and res.take_answer() is not None and res.take_answer() is None
+            again.append(sched.submit_prefilled(res.prefilled(start + len(ids)), SamplingParams(**kw)))
+        while sched.step():
+            pass
+    assert started == [list(r.generated) for r in again]
+    assert sched.stats().kv_bytes == 0 and sched.stats().finished == 2 * len(cases)
+
+
+def test_a_started_answer_is_withdrawn_when_its_callers_result_fails(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cases = _cases(engine, 2)
+
+    def broken(self, item):
+        raise InvalidInputError("assembly failed")
+
+    monkeypatch.setattr(Scheduler, "_carried_result", broken)
+    sched = Scheduler(engine)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        ids, past, start, _ = cases[i]
+        try:
+            with sched.serving(key=i):
+                engine.forward(ids, past, start, logits="last", answer=SamplingParams(max_new_tokens=4))
+        except InvalidInputError as exc:
+            errors.append(exc)
+
+    with sched.driving():
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        _wait_until(lambda: sched.stats().carried_waiting == 2)
+        sched.step()
+        for t in threads:
+            t.join()
+        while sched.step():
+            pass
+    s = sched.stats()
+    assert len(errors) == 2 and s.follow_ons == 2 and s.cancelled == 2
+    assert s.running == s.waiting == 0 and s.kv_bytes == 0 and s.steps == 1  # nothing decoded for nobody
+
+
+def test_an_answer_the_scheduler_would_refuse_is_left_to_its_caller(engine: Engine) -> None:
+    """A started answer that does not fit the KV budget is not queued: the caller submits it from the result
+    and is refused there, as without the follow-on."""
+    cases = _cases(engine, 2)
+    ids, _, start, _ = cases[1]
+    sched = Scheduler(engine, kv_budget_bytes=8 * Scheduler(engine).bytes_per_token)  # 8 tokens: none of these fits
+    with sched.driving():
+        out, threads = _carry_answering(sched, cases, [SamplingParams(max_new_tokens=40)] * 2)
+        _wait_until(lambda: sched.stats().carried_waiting == 2)
+        sched.step()
+        for t in threads:
+            t.join()
+    assert all(r is not None and r.answer is None for r in out)
+    assert sched.stats().follow_ons == 0 and sched.stats().refused == 0
+    res = out[1]
+    assert res is not None
+    with pytest.raises(CapacityError):
+        sched.submit_prefilled(res.prefilled(start + len(ids)), SamplingParams(max_new_tokens=40))

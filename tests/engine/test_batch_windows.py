@@ -76,6 +76,9 @@ def test_every_policy_answers_under_batching_as_alone(engine: Engine) -> None:
         torch.testing.assert_close(lp, want, atol=1e-4, rtol=0)
     stats = sched.stats()
     assert stats.carried > 0  # window forwards did ride with running decodes
+    # and answers whose prompt rode in a window's forward were queued by that forward's step (``carry``'s
+    # ``answer``): they decode from the next step, the same answers as submitted by their windows
+    assert stats.follow_ons >= 1
     assert stats.batch_max >= 3 and stats.finished == len(cases) and stats.kv_bytes == 0
 
 

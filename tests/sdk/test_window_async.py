@@ -62,6 +62,7 @@ def test_windows_of_every_policy_answer_at_once_as_each_alone(engine: Engine) ->
     assert got == expected
     assert stats.submitted == stats.finished == len(cases)  # every answer decoded in the scheduler's steps
     assert stats.batch_max >= 2  # and they shared steps
+    assert stats.follow_ons >= 1  # an answer queued by its prompt's forward's step decoded as alone too
     assert engine.scheduler is None
 
 
