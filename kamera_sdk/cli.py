@@ -25,10 +25,11 @@ def _engine(args: argparse.Namespace):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from kamera_engine import InvalidInputError
+
     from .bench import get_bench, preflight
 
     if args.shape is not None:  # a random-weight model of a known architecture: operator speed only
-        from kamera_engine import InvalidInputError
         from kamera_engine.shapes import random_engine
 
         from .bench.operator import run_shape
@@ -44,10 +45,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {} if args.act_seconds is None else {"act_seconds": args.act_seconds}  # window only
     if args.repeat is not None:
         extra["repeat"] = args.repeat
-    if extra and args.name != "window":
-        from kamera_engine import InvalidInputError
-
-        raise InvalidInputError("--act-seconds and --repeat go with the window benchmark")
+    if args.act_seconds is not None and args.name != "window":
+        raise InvalidInputError("--act-seconds goes with the window benchmark")
+    if args.repeat is not None and args.name not in ("window", "serve"):
+        raise InvalidInputError("--repeat goes with the window and serve benchmarks")
     result = run(_engine(args), quick=args.quick, **extra)
     print_result(result, args.json, f"kamera bench {args.name}")
     return 0
@@ -162,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         default=None,
-        help="window only: run the trace N times, every policy in each pass, and take each step's least "
+        help="window: run the trace N times, every policy in each pass, and take each step's least "
         "operation-plus-question time and TTFT (critical_over_recompute_max, the _min ratios; the issue's "
-        "figures use 3; default 1)",
+        "figures use 3); serve: run both arms N times per session count, alternating which goes first, and "
+        "report the pair with the median ratio (all pairs under runs); default 1",
     )
     bench.set_defaults(func=cmd_bench)
     doctor = sub.add_parser(

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kamera_engine import KV, Engine
+from kamera_engine import KV, Engine, InvalidInputError
 
 from ..server.loadgen import run_together
 
@@ -328,36 +328,71 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
     }
 
 
-def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
-    """Batched vs one-at-a-time over ``counts`` concurrent sessions (``quick``: fewer rounds, shorter answers)."""
+def _arm(engine: Engine, n: int, mode: str, batch: bool, rounds: int, max_new: int) -> dict[str, Any]:
+    """One arm: ``n`` sessions' loop against a fresh server, batched or one at a time."""
+    print(f"serve: {n} sessions, {mode}", file=sys.stderr)
+    with _served(engine, batch) as (url, app):
+        arm = _load(url, n, rounds, max_new)
+        arm["peak_rss_bytes"] = _peak_rss_bytes()
+        arm["load_avg_1m"] = os.getloadavg()[0]
+        sched = app.state.kamera.scheduler
+        if sched is not None:
+            s = sched.stats()
+            arm["batch_mean"] = s.batch_mean
+            arm["batch_max"] = s.batch_max
+            arm["carried_forwards"] = s.carried  # window forwards batched with other rows
+            arm["carried_alone"] = s.carried_alone  # window forwards with nothing to share
+            # window forwards' rows per step that held any: several sessions' pages in one forward
+            arm["window_rows_mean"] = s.carried_rows_total / s.carried_steps if s.carried_steps else 0.0
+            arm["window_rows_max"] = s.carried_rows_max
+            arm["follow_ons"] = s.follow_ons  # answers queued by their prompt's forward's step
+            arm["kv_bytes_peak"] = s.kv_bytes_peak
+            arm["queue_wait_s_max"] = s.queue_wait_s_max
+    return arm
+
+
+def _ratio(row: dict[str, Any]) -> float:
+    seq = row["sequential"]["tokens_per_s"]
+    return row["batched"]["tokens_per_s"] / seq if seq else 0.0
+
+
+def run(
+    engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8, 32), repeat: int = 1
+) -> dict[str, Any]:
+    """Batched vs one-at-a-time over ``counts`` concurrent sessions (``quick``: fewer rounds, shorter answers).
+    ``repeat``: run the two arms that many times at each count, alternating which goes first, and report the
+    pair whose throughput ratio is the median (the lower middle one for an even count); every pair's figures
+    are in ``runs``. On a shared host the arms' speeds drift by a tenth from minute to minute, and the
+    one-at-a-time arm runs three times longer than the batched one, so one pair can land on either side."""
+    if repeat < 1:
+        raise InvalidInputError(f"repeat must be at least 1, got {repeat}")
     # rounds: from the fourth on, every ask follows a slide (the loop's steady state: three pages held)
     rounds, max_new = (4, 32) if quick else (6, 48)
     load_before = os.getloadavg()
     sessions: dict[str, dict[str, Any]] = {}
     ratio: dict[str, float] = {}
+    runs: dict[str, list[dict[str, float]]] = {}
     for n in counts:
-        row: dict[str, Any] = {}
-        for mode, batch in (("batched", True), ("sequential", False)):
-            print(f"serve: {n} sessions, {mode}", file=sys.stderr)
-            with _served(engine, batch) as (url, app):
-                row[mode] = _load(url, n, rounds, max_new)
-                row[mode]["peak_rss_bytes"] = _peak_rss_bytes()
-                row[mode]["load_avg_1m"] = os.getloadavg()[0]
-                sched = app.state.kamera.scheduler
-                if sched is not None:
-                    s = sched.stats()
-                    row[mode]["batch_mean"] = s.batch_mean
-                    row[mode]["batch_max"] = s.batch_max
-                    row[mode]["carried_forwards"] = s.carried  # window forwards batched with other rows
-                    row[mode]["carried_alone"] = s.carried_alone  # window forwards with nothing to share
-                    # window forwards' rows per step that held any: several sessions' pages in one forward
-                    row[mode]["window_rows_mean"] = s.carried_rows_total / s.carried_steps if s.carried_steps else 0.0
-                    row[mode]["window_rows_max"] = s.carried_rows_max
-                    row[mode]["kv_bytes_peak"] = s.kv_bytes_peak
-                    row[mode]["queue_wait_s_max"] = s.queue_wait_s_max
-        sessions[str(n)] = row
-        seq = row["sequential"]["tokens_per_s"]
-        ratio[str(n)] = row["batched"]["tokens_per_s"] / seq if seq else 0.0
+        pairs: list[dict[str, Any]] = []
+        for k in range(repeat):
+            arms = [("batched", True), ("sequential", False)]
+            order = arms if k % 2 == 0 else arms[::-1]  # the later arm of one pair goes first in the next
+            pairs.append({mode: _arm(engine, n, mode, batch, rounds, max_new) for mode, batch in order})
+        ratios = [_ratio(row) for row in pairs]
+        middle = sorted(range(repeat), key=lambda i: ratios[i])[(repeat - 1) // 2]
+        sessions[str(n)] = {"batched": pairs[middle]["batched"], "sequential": pairs[middle]["sequential"]}
+        ratio[str(n)] = ratios[middle]
+        runs[str(n)] = [
+            {
+                "throughput_ratio": r,
+                "batched_tokens_per_s": row["batched"]["tokens_per_s"],
+                "sequential_tokens_per_s": row["sequential"]["tokens_per_s"],
+                "batched_p95_s": row["batched"]["p95_s"],
+                "sequential_p95_s": row["sequential"]["p95_s"],
+                "first": next(iter(row)),
+            }
+            for row, r in zip(pairs, ratios, strict=True)
+        ]
     print("serve: ceiling (decode rows vs one, prefill vs decode, a round perfectly batched)", file=sys.stderr)
     answered = [arm["answer_tokens_mean"] for row in sessions.values() for arm in row.values() if arm["answers"]]
     answer_tokens = max(1, round(statistics.fmean(answered))) if answered else max_new
@@ -366,6 +401,8 @@ def run(engine: Engine, *, quick: bool = False, counts: tuple[int, ...] = (1, 8,
     return {
         "sessions": sessions,
         "throughput_ratio": ratio,
+        "repeat": repeat,
+        "runs": runs,
         "ceiling": {**ceiling(engine), **bound, "round_ratio_reached": reached},
         "rounds": rounds,
         "max_new_tokens": max_new,

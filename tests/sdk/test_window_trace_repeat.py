@@ -107,8 +107,10 @@ def test_repeat_must_be_positive(trace) -> None:
         run_trace(tiny_chat_engine(), trace, ("recompute", "kamera"), repeat=0)
 
 
-def test_the_repeat_flag_only_with_the_window_bench(capsys) -> None:
+def test_the_repeat_flag_only_with_the_window_and_serve_benches(capsys) -> None:
     from kamera_sdk.cli import main
 
     assert main(["bench", "operator", "--repeat", "3", "--model", "/nonexistent/model"]) == 2  # before any load
-    assert "--repeat go with the window benchmark" in capsys.readouterr().err
+    assert "--repeat goes with the window and serve benchmarks" in capsys.readouterr().err
+    assert main(["bench", "serve", "--act-seconds", "1", "--model", "/nonexistent/model"]) == 2
+    assert "--act-seconds goes with the window benchmark" in capsys.readouterr().err

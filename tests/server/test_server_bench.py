@@ -4,7 +4,11 @@ batched arm really batches (tiny random model behind the default tokenizer, real
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from kamera_engine import InvalidInputError
 from kamera_sdk.bench import serve
 from tests.conftest import tiny_chat_engine
 
@@ -20,6 +24,8 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
         ratio = result["sessions"][n]["batched"]["tokens_per_s"] / result["sessions"][n]["sequential"]["tokens_per_s"]
         assert abs(result["throughput_ratio"][n] - ratio) < 1e-9
     assert result["sessions"]["3"]["batched"]["batch_max"] >= 2
+    assert result["repeat"] == 1
+    assert [r["throughput_ratio"] for r in result["runs"]["3"]] == [result["throughput_ratio"]["3"]]
     ceiling = result["ceiling"]
     assert set(ceiling["decode_step_s"]) == {"1", "8", "32"} and ceiling["decode_speedup"]["1"] == 1.0
     # the round ceiling: the loop's own forwards (a page's compile, the ask's forward behind the anchor and
@@ -38,3 +44,30 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
 
     (path,) = serve_plot(result, tmp_path)
     assert path.stat().st_size > 0
+
+
+def test_bench_serve_repeat_reports_the_median_pair_and_alternates_the_arms(monkeypatch) -> None:
+    """``--repeat``: each count's arms run that many times, the first arm alternating; the pair with the median
+    ratio is the one reported (its arms and ratio together), every pair under ``runs``."""
+    speeds = iter([(30.0, 10.0), (28.0, 7.0), (33.0, 12.0)])  # ratios 3.0, 4.0, 2.75: the median is 3.0
+    calls: list[str] = []
+    current: dict[str, float] = {}
+
+    def arm(engine, n, mode, batch, rounds, max_new):
+        if not current:
+            current.update(zip(("batched", "sequential"), next(speeds), strict=True))
+        calls.append(mode)
+        return {"tokens_per_s": current.pop(mode), "p95_s": 1.0, "answers": 0, "answer_tokens_mean": 0.0}
+
+    monkeypatch.setattr(serve, "_arm", arm)
+    monkeypatch.setattr(serve, "ceiling", lambda engine: {})
+    monkeypatch.setattr(serve, "round_ceiling", lambda engine, counts, answer_tokens: {"round_ratio": {}})
+    engine = SimpleNamespace(name="stand-in", device="cpu")  # nothing runs on it: the arms are stand-ins
+    result = serve.run(engine, quick=True, counts=(8,), repeat=3)  # type: ignore[arg-type]
+    assert calls == ["batched", "sequential", "sequential", "batched", "batched", "sequential"]
+    assert result["repeat"] == 3 and result["throughput_ratio"]["8"] == 3.0
+    assert result["sessions"]["8"]["batched"]["tokens_per_s"] == 30.0
+    assert [r["throughput_ratio"] for r in result["runs"]["8"]] == [3.0, 4.0, 2.75]
+    assert [r["first"] for r in result["runs"]["8"]] == ["batched", "sequential", "batched"]
+    with pytest.raises(InvalidInputError, match="repeat"):
+        serve.run(engine, counts=(8,), repeat=0)  # type: ignore[arg-type]
