@@ -46,13 +46,20 @@ def _wait_until(cond, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def _carry_from_threads(sched: Scheduler, cases) -> tuple[list[ForwardResult | None], list[threading.Thread]]:
+def _carry_from_threads(
+    sched: Scheduler, cases, answers: list[SamplingParams] | None = None
+) -> tuple[list[ForwardResult | None], list[threading.Thread]]:
+    """Each case's forward on a thread of its own, under ``serving``; with ``answers``, each forward asks for
+    its last logits and starts that answer (``Engine.forward(..., answer=...)``)."""
     out: list[ForwardResult | None] = [None] * len(cases)
 
     def run(i: int) -> None:
         ids, past, start, logits = cases[i]
         with sched.serving(key=i):
-            out[i] = sched.engine.forward(ids, past, start, logits=logits)
+            if answers is None:
+                out[i] = sched.engine.forward(ids, past, start, logits=logits)
+            else:
+                out[i] = sched.engine.forward(ids, past, start, logits="last", answer=answers[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
     for t in threads:
@@ -212,20 +219,6 @@ def test_a_failing_window_forward_raises_on_its_own_thread_only(engine: Engine) 
 ANSWERS = [dict(max_new_tokens=6), dict(max_new_tokens=5, temperature=0.9, seed=3), dict(max_new_tokens=7)]
 
 
-def _carry_answering(sched: Scheduler, cases, answers) -> tuple[list[ForwardResult | None], list[threading.Thread]]:
-    out: list[ForwardResult | None] = [None] * len(cases)
-
-    def run(i: int) -> None:
-        ids, past, start, _ = cases[i]
-        with sched.serving(key=i):
-            out[i] = sched.engine.forward(ids, past, start, logits="last", answer=answers[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    return out, threads
-
-
 def test_an_answer_started_by_its_forwards_step_decodes_from_the_next_step_as_submitted(engine: Engine) -> None:
     """``forward(..., answer=...)`` in a step: that step queues the answer, so the very next step admits it (its
     first token) and decodes its second, with no round trip through the caller; its tokens are those the
@@ -233,7 +226,7 @@ def test_an_answer_started_by_its_forwards_step_decodes_from_the_next_step_as_su
     cases = _cases(engine, 3)
     sched = Scheduler(engine)
     with sched.driving():
-        out, threads = _carry_answering(sched, cases, [SamplingParams(**kw) for kw in ANSWERS])
+        out, threads = _carry_from_threads(sched, cases, [SamplingParams(**kw) for kw in ANSWERS])
         _wait_until(lambda: sched.stats().carried_waiting == len(cases))
         assert sched.step()  # the three forwards, in one step
         for t in threads:
@@ -299,7 +292,7 @@ def test_an_answer_the_scheduler_would_refuse_is_left_to_its_caller(engine: Engi
     ids, _, start, _ = cases[1]
     sched = Scheduler(engine, kv_budget_bytes=8 * Scheduler(engine).bytes_per_token)  # 8 tokens: none of these fits
     with sched.driving():
-        out, threads = _carry_answering(sched, cases, [SamplingParams(max_new_tokens=40)] * 2)
+        out, threads = _carry_from_threads(sched, cases, [SamplingParams(max_new_tokens=40)] * 2)
         _wait_until(lambda: sched.stats().carried_waiting == 2)
         sched.step()
         for t in threads:
