@@ -696,17 +696,15 @@ class Scheduler:
             item.answer = self._follow_on(start + int(item.ids.numel()), answer, key)
         self._queue_and_await(self._carried, item, item.finished)
         queued = item.answer if item.answer_queued else None
-        if item.error is not None:
-            if queued is not None:
-                queued.cancel()
-            raise item.error
-        if item.result is not None:  # it ran alone: its caller decodes from the result
-            return item.result
-        try:  # it ran in steps: its result is put together on this thread (copies: inline)
-            with small_kernels_inline():
+        try:
+            if item.error is not None:
+                raise item.error
+            if item.result is not None:  # it ran alone: nothing was queued, its caller decodes from the result
+                return item.result
+            with small_kernels_inline():  # it ran in steps: its result is put together on this thread (copies)
                 result = self._carried_result(item)
         except BaseException:
-            if queued is not None:
+            if queued is not None:  # nobody will read it
                 queued.cancel()
             raise
         result.answer = queued
@@ -727,7 +725,7 @@ class Scheduler:
         from the row as it is (``_start`` reads it in place until the slab copies it), unless the scheduler
         would refuse it now."""
         req, cache = item.answer, item.cache
-        if req is None or cache is None or not item.pieces:
+        if req is None or cache is None or not item.pieces:  # no answer asked for (or nothing to start it from)
             return
         n = int(item.ids.numel())
         req.need_bytes = (item.n_past + n + req.params.max_new_tokens) * self.bytes_per_token
@@ -799,11 +797,10 @@ class Scheduler:
         if logits is not None:
             item.pieces.append(logits)
         if chunk.final:
-            if item.answer is not None:
-                try:
-                    self._queue_follow_on(item)
-                except Exception:  # not queued: its caller submits it from the result (and sees any error there)
-                    log.exception("queueing a follow-on answer failed")
+            try:
+                self._queue_follow_on(item)
+            except Exception:  # not queued: its caller submits it from the result (and sees any error there)
+                log.exception("queueing a follow-on answer failed")
             self._carried_finish(item)  # its caller puts the result together (``_carried_result``)
 
     def _carried_result(self, item: _Carried) -> ForwardResult:

@@ -61,10 +61,15 @@ def _carry_from_threads(
             else:
                 out[i] = sched.engine.forward(ids, past, start, logits="last", answer=answers[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    return out, _started(run, len(cases))
+
+
+def _started(run, n: int) -> list[threading.Thread]:
+    """``run(i)`` for i < n, each on a thread of its own, started."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    return out, threads
+    return threads
 
 
 def _same(a: ForwardResult, b: ForwardResult) -> None:
@@ -200,9 +205,7 @@ def test_a_failing_window_forward_raises_on_its_own_thread_only(engine: Engine) 
             errors.append(exc)
 
     with sched.driving():
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
+        threads = _started(run, 3)
         _wait_until(lambda: sched.stats().carried_waiting == 3)
         while sched.step():
             pass
@@ -271,9 +274,7 @@ def test_a_started_answer_is_withdrawn_when_its_callers_result_fails(
             errors.append(exc)
 
     with sched.driving():
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
+        threads = _started(run, 2)
         _wait_until(lambda: sched.stats().carried_waiting == 2)
         sched.step()
         for t in threads:

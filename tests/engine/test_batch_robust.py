@@ -246,6 +246,16 @@ def _most_at_once(modules, pause: float) -> tuple[list[int], list]:
     return most, hooks
 
 
+def _on_threads(run, n: int) -> list[threading.Thread]:
+    """``run(i)`` for i < n, each on a thread of its own; returns the threads once each has ended (or 60 s passed)."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return threads
+
+
 def test_run_alone_is_the_unbatched_forward_and_never_runs_beside_a_step(engine: Engine) -> None:
     """Forwards asked to run alone (``alone()``, and forwards outside ``serving``) while a driver steps
     running decodes: each equals ``run_forward`` bit for bit, and the model never runs two forwards at once."""
@@ -266,11 +276,7 @@ def test_run_alone_is_the_unbatched_forward_and_never_runs_beside_a_step(engine:
             else:  # outside serving, while a thread drives: alone too
                 out[i] = engine.forward(ids, past, len(past), logits="all")
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        _on_threads(run, len(cases))
         for r in reqs:
             list(r)
     finally:
@@ -318,12 +324,7 @@ def test_selective_recompute_runs_between_steps_bit_for_bit(engine: Engine) -> N
             else:
                 out[i] = selective(i)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads)
+        assert not any(t.is_alive() for t in _on_threads(run, 3))
         assert not any(r.done for r in reqs)  # the decodes still ran when the recomputes had ended
         for r in reqs:
             list(r)
