@@ -474,15 +474,21 @@ class Scheduler:
 
     def _enqueue(self, req: Request) -> Request:
         with self._lock:
-            refusal = self._refusal(req)
+            refusal = self._queue_locked(req)
             if refusal is not None:
                 self._stats.refused += 1
                 raise refusal
-            self._waiting.append(req)
-            self._stats.submitted += 1
         with self._wake:
             self._wake.notify_all()
         return req
+
+    def _queue_locked(self, req: Request) -> CapacityError | None:
+        """Queue ``req`` for admission, or say why it cannot be queued now (the caller holds ``_lock``)."""
+        refusal = self._refusal(req)
+        if refusal is None:
+            self._waiting.append(req)
+            self._stats.submitted += 1
+        return refusal
 
     def _refusal(self, req: Request) -> CapacityError | None:
         """Why ``req`` cannot be queued now, or None (the caller holds ``_lock``)."""
@@ -729,13 +735,11 @@ class Scheduler:
             return
         n = int(item.ids.numel())
         req.need_bytes = (item.n_past + n + req.params.max_new_tokens) * self.bytes_per_token
+        req._prefilled = Prefilled(item.pieces[-1], cache.layers(), item.start + n)
+        req.submitted_at = time.perf_counter()
         with self._lock:
-            if self._refusal(req) is not None:
+            if self._queue_locked(req) is not None:
                 return
-            req._prefilled = Prefilled(item.pieces[-1], cache.layers(), item.start + n)
-            req.submitted_at = time.perf_counter()
-            self._waiting.append(req)
-            self._stats.submitted += 1
             self._stats.follow_ons += 1
         item.answer_queued = True
 

@@ -16,21 +16,19 @@ import sys
 import kamera_engine  # noqa: F401  (before torch: the engine's thread settings)
 from kamera_engine import Engine
 from kamera_engine.scheduler import Scheduler
-from kamera_sdk.bench.serve import _load, _served
+from kamera_sdk.bench.serve import arm
 
 
 def main() -> None:
     pairs = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     sessions = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     engine = Engine.load()
-    with _served(engine, True) as (url, _):
-        _load(url, 2, 2, 8)  # warm-up
+    arm(engine, 2, True, 2, 8)  # warm-up
     runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
     for i in range(pairs):
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
             Scheduler.follow_ons = mode == "on"
-            with _served(engine, True) as (url, _):
-                r = _load(url, sessions, 6, 48)
+            r = arm(engine, sessions, True, 6, 48)
             runs[mode].append({"tokens_per_s": r["tokens_per_s"], "ttft_p50_s": r["ttft_p50_s"], "p95_s": r["p95_s"]})
             print(mode, json.dumps(runs[mode][-1]), file=sys.stderr, flush=True)
     Scheduler.follow_ons = True

@@ -328,27 +328,33 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
     }
 
 
-def _arm(engine: Engine, n: int, mode: str, batch: bool, rounds: int, max_new: int) -> dict[str, Any]:
-    """One arm: ``n`` sessions' loop against a fresh server, batched or one at a time."""
-    print(f"serve: {n} sessions, {mode}", file=sys.stderr)
+def arm_name(batch: bool) -> str:
+    """An arm's key in the results: ``batched`` or ``sequential`` (one at a time)."""
+    return "batched" if batch else "sequential"
+
+
+def arm(engine: Engine, sessions: int, batch: bool, rounds: int, max_new_tokens: int) -> dict[str, Any]:
+    """One arm: ``sessions`` concurrent sessions' loop (``rounds`` of add a page, ask with answers of at most
+    ``max_new_tokens``, slide) against a fresh server on loopback, batched or one at a time; its figures."""
+    print(f"serve: {sessions} sessions, {arm_name(batch)}", file=sys.stderr)
     with _served(engine, batch) as (url, app):
-        arm = _load(url, n, rounds, max_new)
-        arm["peak_rss_bytes"] = _peak_rss_bytes()
-        arm["load_avg_1m"] = os.getloadavg()[0]
+        figures = _load(url, sessions, rounds, max_new_tokens)
+        figures["peak_rss_bytes"] = _peak_rss_bytes()
+        figures["load_avg_1m"] = os.getloadavg()[0]
         sched = app.state.kamera.scheduler
         if sched is not None:
             s = sched.stats()
-            arm["batch_mean"] = s.batch_mean
-            arm["batch_max"] = s.batch_max
-            arm["carried_forwards"] = s.carried  # window forwards batched with other rows
-            arm["carried_alone"] = s.carried_alone  # window forwards with nothing to share
+            figures["batch_mean"] = s.batch_mean
+            figures["batch_max"] = s.batch_max
+            figures["carried_forwards"] = s.carried  # window forwards batched with other rows
+            figures["carried_alone"] = s.carried_alone  # window forwards with nothing to share
             # window forwards' rows per step that held any: several sessions' pages in one forward
-            arm["window_rows_mean"] = s.carried_rows_total / s.carried_steps if s.carried_steps else 0.0
-            arm["window_rows_max"] = s.carried_rows_max
-            arm["follow_ons"] = s.follow_ons  # answers queued by their prompt's forward's step
-            arm["kv_bytes_peak"] = s.kv_bytes_peak
-            arm["queue_wait_s_max"] = s.queue_wait_s_max
-    return arm
+            figures["window_rows_mean"] = s.carried_rows_total / s.carried_steps if s.carried_steps else 0.0
+            figures["window_rows_max"] = s.carried_rows_max
+            figures["follow_ons"] = s.follow_ons  # answers queued by their prompt's forward's step
+            figures["kv_bytes_peak"] = s.kv_bytes_peak
+            figures["queue_wait_s_max"] = s.queue_wait_s_max
+    return figures
 
 
 def _ratio(row: dict[str, Any]) -> float:
@@ -375,9 +381,8 @@ def run(
     for n in counts:
         pairs: list[dict[str, Any]] = []
         for k in range(repeat):
-            arms = [("batched", True), ("sequential", False)]
-            order = arms if k % 2 == 0 else arms[::-1]  # the later arm of one pair goes first in the next
-            pairs.append({mode: _arm(engine, n, mode, batch, rounds, max_new) for mode, batch in order})
+            order = (True, False) if k % 2 == 0 else (False, True)  # the later arm of one pair goes first in the next
+            pairs.append({arm_name(batch): arm(engine, n, batch, rounds, max_new) for batch in order})
         ratios = [_ratio(row) for row in pairs]
         middle = sorted(range(repeat), key=lambda i: ratios[i])[(repeat - 1) // 2]
         sessions[str(n)] = {"batched": pairs[middle]["batched"], "sequential": pairs[middle]["sequential"]}

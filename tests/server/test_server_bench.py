@@ -53,13 +53,14 @@ def test_bench_serve_repeat_reports_the_median_pair_and_alternates_the_arms(monk
     calls: list[str] = []
     current: dict[str, float] = {}
 
-    def arm(engine, n, mode, batch, rounds, max_new):
+    def arm(engine, n, batch, rounds, max_new):
+        mode = serve.arm_name(batch)
         if not current:
             current.update(zip(("batched", "sequential"), next(speeds), strict=True))
         calls.append(mode)
         return {"tokens_per_s": current.pop(mode), "p95_s": 1.0, "answers": 0, "answer_tokens_mean": 0.0}
 
-    monkeypatch.setattr(serve, "_arm", arm)
+    monkeypatch.setattr(serve, "arm", arm)
     monkeypatch.setattr(serve, "ceiling", lambda engine: {})
     monkeypatch.setattr(serve, "round_ceiling", lambda engine, counts, answer_tokens: {"round_ratio": {}})
     engine = SimpleNamespace(name="stand-in", device="cpu")  # nothing runs on it: the arms are stand-ins
