@@ -80,7 +80,7 @@ def prefill_with_stats(
         raise InvalidInputError(f"observation must be an int >= 1, got {observation!r}")
     with capture_queries(engine.model) as prompt_q:
         res = engine.forward(prompt_ids, parts, start, logits="last")
-    full = KV.cat([*parts, res.kv.to("cpu")])
+    full = KV.cat([*(p.to("cpu") for p in parts), res.kv.to("cpu")])  # scored and compressed in host memory
     n_tok = len(full)
     stats_tokens = 0
     if spec.every_query:

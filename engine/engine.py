@@ -86,6 +86,12 @@ def _swap_patch(patch: Patch) -> Patch:
     return Patch(patch.v_u, patch.v_vt, patch.k_u, patch.k_vt, patch.layers)
 
 
+def _beside(patch: Patch | None, canonical: KV) -> Patch | None:
+    """``patch`` on its canonical's device (a patch loaded from a store to the model's device can meet a
+    canonical compiled here, which is kept in host memory)."""
+    return None if patch is None else patch.to(canonical.keys.device)
+
+
 class Engine:
     """A model plus everything needed to prefill, relocate, patch and decode its KV."""
 
@@ -582,7 +588,7 @@ class Engine:
         return self._view(op.make_free(self._view(kv), self.rope_for(kv.deltas)))
 
     def reconstruct(self, canonical: KV, patch: Patch | None) -> KV:
-        return op.reconstruct(canonical, patch)
+        return op.reconstruct(canonical, _beside(patch, canonical))
 
     def form_patch(
         self,
@@ -594,8 +600,13 @@ class Engine:
         dtype: torch.dtype | None = None,
     ) -> Patch:
         """A rank-``rank`` patch of ``canonical`` from its conditioned KV(s) (the same tokens: the canonical's
-        deltas are theirs)."""
-        views = self._view(conditioned) if isinstance(conditioned, KV) else [self._view(c) for c in conditioned]
+        deltas are theirs), formed on the canonical's device: a patch is applied with its canonical, and a
+        canonical is kept in host memory (``canonical``) while a forward's KV is on the model's device."""
+        home = canonical.keys.device
+        if isinstance(conditioned, KV):
+            views: KV | list[KV] = self._view(conditioned.to(home))
+        else:
+            views = [self._view(c.to(home)) for c in conditioned]
         spec = self.rope_for(canonical.deltas)
         patch = op.form_patch(views, self._view(canonical), spec, rank, layers=layers, dtype=dtype)
         return _swap_patch(patch) if self.rope_in_values else patch
@@ -612,7 +623,7 @@ class Engine:
         """Serve ``canonical`` (+ ``patch``) at ``target`` (``operator.apply_patch``); ``rotation`` defaults to
         the engine's ``rotation`` setting."""
         spec = self.rope_for(canonical.deltas)
-        view, view_patch = self._view(canonical), self._view_patch(patch)
+        view, view_patch = self._view(canonical), self._view_patch(_beside(patch, canonical))
         rot = self.rotation if rotation is None else rotation
         return self._view(op.apply_patch(view, view_patch, spec, target, exact=exact, rotation=rot))
 

@@ -60,6 +60,13 @@ class Patch:
             raise InvalidInputError(f"cannot raise a rank-{self.rank} patch to rank {rank}")
         return Patch(self.k_u[..., :rank], self.k_vt[:, :rank], self.v_u[..., :rank], self.v_vt[:, :rank], self.layers)
 
+    def to(self, device: torch.device | str) -> Patch:
+        """The same patch on ``device`` (itself when it is there already)."""
+        dev = torch.device(device)
+        if self.k_u.device == dev:
+            return self
+        return Patch(self.k_u.to(dev), self.k_vt.to(dev), self.v_u.to(dev), self.v_vt.to(dev), self.layers)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat dict for storage (safetensors)."""
         return {

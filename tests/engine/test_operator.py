@@ -14,7 +14,7 @@ from tests.conftest import ANCHOR, random_ids, tiny_engine
 def _setup(engine: Engine, seed: int = 0):
     a_ids, b_ids, q_ids = random_ids(20, seed), random_ids(16, seed + 1), random_ids(5, seed + 2)
     full = ANCHOR + a_ids + b_ids
-    ref = engine.forward(full, None, 0, logits="none").kv
+    ref = engine.forward(full, None, 0, logits="none").kv.to("cpu")  # beside the canonical, in host memory
     start_b = len(ANCHOR) + len(a_ids)
     cond_b = ref.slice(start_b, start_b + len(b_ids))
     can_b = engine.canonical(b_ids)
@@ -126,7 +126,7 @@ def test_orbit_patch_averages_orderings() -> None:
     conds = []
     for order in ([a1, a2], [a2, a1]):
         ids = ANCHOR + order[0] + order[1] + b
-        conds.append(engine.forward(ids, None, 0, logits="none").kv.slice(len(ids) - len(b), len(ids)))
+        conds.append(engine.forward(ids, None, 0, logits="none").kv.to("cpu").slice(len(ids) - len(b), len(ids)))
     orbit = engine.form_patch(conds, can_b, rank=12)
     one = engine.form_patch(conds[0], can_b, rank=12)
     mean_v = (conds[0].values + conds[1].values) / 2
@@ -145,6 +145,20 @@ def test_one_conditioned_kv_gives_the_bits_of_the_float64_average(tiny: Engine, 
     two = conditioning_delta([cond, cond], can, tiny.rope)
     assert one.keys.dtype == dtype and one.keys.abs().max() > 0
     assert torch.equal(one.keys, two.keys) and torch.equal(one.values, two.values)
+
+
+def test_a_patch_is_formed_and_applied_beside_its_canonical(tiny: Engine) -> None:
+    """A canonical is kept in host memory, a forward's KV on the model's device (a GPU under
+    ``KAMERA_TEST_DEVICE=cuda``): the patch is formed where its canonical is, and one on another device is
+    moved there to be applied or reconstructed."""
+    _, _, _, _, cond_b, can_b, start_b = _setup(tiny, seed=80)
+    assert can_b.keys.device.type == "cpu"
+    patch = tiny.form_patch(cond_b.to(tiny.device), can_b, rank=8)
+    assert torch.equal(patch.k_u, tiny.form_patch(cond_b, can_b, rank=8).k_u)
+    assert patch.k_u.device == can_b.keys.device and patch.to("cpu") is patch
+    moved = patch.to(tiny.device)
+    assert torch.equal(tiny.apply(can_b, moved, start_b).keys, tiny.apply(can_b, patch, start_b).keys)
+    assert torch.equal(tiny.reconstruct(can_b, moved).values, tiny.reconstruct(can_b, patch).values)
 
 
 def test_patch_storage_round_trip_and_truncate() -> None:
