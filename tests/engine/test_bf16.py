@@ -66,7 +66,7 @@ def test_bf16_relocation_against_a_bf16_prefill_at_the_target(name: str) -> None
         pos = torch.arange(target, target + len(ids))
         placed = engine.apply(can, None, target)
         for layer, k_pre in enumerate(pre):
-            k_pre = k_pre[..., -len(ids) :, :]
+            k_pre = k_pre[..., -len(ids) :, :].cpu()
             prefill = reference_rotate(engine.model, engine.adapter, k_pre, pos)[0].transpose(0, 1)  # (T, H, r)
             unit = ulp(prefill[..., :r].double().abs().amax(-1, keepdim=True), torch.bfloat16)
             got = (placed.keys[layer][..., :r].double() - prefill[..., :r].double()).abs() / unit
@@ -107,7 +107,7 @@ def test_float32_factors_keep_the_error_floor_of_a_bf16_kv() -> None:
     a, b = random_ids(20, seed=1), random_ids(16, seed=2)
     can = engine.canonical(b)
     ids = ANCHOR + a + b
-    free = engine.make_free(engine.forward(ids, None, 0, logits="none").kv.slice(len(ids) - len(b), len(ids)))
+    free = engine.make_free(engine.forward(ids, None, 0, logits="none").kv.to("cpu").slice(len(ids) - len(b), len(ids)))
     full = engine.num_kv_heads * engine.key_dim
 
     def eta(rank: int, dtype: torch.dtype) -> float:
@@ -176,7 +176,7 @@ def test_bf16_relocated_canonical_against_a_bf16_prefill_at_layer_0(name: str) -
     can = engine.canonical(ids, anchored=False)
     r = engine.rope.rotary_dim
     for target in TARGETS_IN_WINDOW:
-        want = engine.forward(ids, None, target, logits="none").kv.keys[0][..., :r]
+        want = engine.forward(ids, None, target, logits="none").kv.keys[0][..., :r].cpu()
         unit = ulp(want.double().abs().amax(-1, keepdim=True), torch.bfloat16)
         equal = {}
         for rotation in ("exact", "model"):

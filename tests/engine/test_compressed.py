@@ -24,10 +24,10 @@ def _eager_attention(engine, ids: list[int]) -> list[torch.Tensor]:  # type: ign
     """Per layer, (Hq, T, T) softmax probabilities from the model's eager attention over ``ids``."""
     engine.model.set_attn_implementation("eager")
     try:
-        out = engine.model(input_ids=torch.tensor([ids]), output_attentions=True)
+        out = engine.model(input_ids=torch.tensor([ids], device=engine.device), output_attentions=True)
     finally:
         engine.model.set_attn_implementation("sdpa")
-    return [a[0] for a in out.attentions]
+    return [a[0].cpu() for a in out.attentions]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

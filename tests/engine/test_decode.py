@@ -213,9 +213,9 @@ def test_the_step_hook_sees_counts_and_its_rows_are_dropped() -> None:
     got = engine.score_on(kv, res.logits[-1], start, [t0, t1, 0], drop_third)[2]
     with_t0 = KV.cat([kv, engine.forward([t0], kv, start, logits="none").kv.to("cpu")])
     kept = KV.cat([with_t0.slice(0, 3), with_t0.slice(4, len(with_t0))])
-    ref = torch.log_softmax(engine.forward([t1], kept, start + 1, logits="last").logits[-1], -1)
+    ref = torch.log_softmax(engine.forward([t1], kept, start + 1, logits="last").logits[-1], -1).to(got.device)
     assert torch.allclose(got, ref, atol=1e-5)
-    kept_all = torch.log_softmax(engine.forward([t1], with_t0, start + 1, logits="last").logits[-1], -1)
+    kept_all = torch.log_softmax(engine.forward([t1], with_t0, start + 1, logits="last").logits[-1], -1).to(got.device)
     assert not torch.allclose(got, kept_all, atol=1e-5)  # the drop made a difference
 
 

@@ -156,8 +156,9 @@ def test_an_engine_on_packed_linears_answers_as_on_nn_linear(monkeypatch: pytest
     """The default CPU engine packs its linears; its logits and KV match BLAS's within float32 rounding
     and its greedy tokens are the same."""
     monkeypatch.delenv(LINEAR_BACKEND_ENV, raising=False)
-    packed = Engine(tiny_model("llama"), None, anchor_ids=ANCHOR)
-    native = Engine(tiny_model("llama"), None, anchor_ids=ANCHOR, linear_backend="native")
+    # on the CPU wherever the tests run (``KAMERA_TEST_DEVICE``): packing is a CPU engine's
+    packed = Engine(tiny_model("llama").cpu(), None, anchor_ids=ANCHOR)
+    native = Engine(tiny_model("llama").cpu(), None, anchor_ids=ANCHOR, linear_backend="native")
     assert packed.info().linear_backend == "onednn" and native.info().linear_backend == "native"
     assert not any(type(m) is PackedLinear for m in native.model.modules())
     assert packed.fingerprint == native.fingerprint  # the same weights: stored KV serves both

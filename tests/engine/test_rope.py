@@ -32,7 +32,7 @@ def test_relocated_keys_equal_keys_rotated_by_the_model(tiny: Engine, target: in
     positions = torch.arange(target, target + len(ids))
     placed = tiny.relocate(can, positions)
     for layer, k_pre in enumerate(pre):
-        ref = reference_rotate(tiny.model, tiny.adapter, k_pre, positions)[0].transpose(0, 1)  # (T, H, D')
+        ref = reference_rotate(tiny.model, tiny.adapter, k_pre, positions)[0].transpose(0, 1).cpu()  # (T, H, D')
         err = (placed.keys[layer][..., : ref.shape[-1]] - ref).abs().max().item()
         assert err <= 1e-5, f"layer {layer}: max abs error {err:.2e}"
     assert torch.equal(placed.values, can.values)
@@ -44,7 +44,7 @@ def test_relocation_matches_a_real_prefill_at_the_target(tiny: Engine, target: i
     ids = random_ids(24, seed=2)
     can = tiny.canonical(ids)
     a = len(ANCHOR)
-    ref = tiny.forward(ANCHOR + ids, None, target - a, logits="none").kv.slice(a, a + len(ids))
+    ref = tiny.forward(ANCHOR + ids, None, target - a, logits="none").kv.to("cpu").slice(a, a + len(ids))
     placed = tiny.relocate(can, target)
     assert (placed.keys - ref.keys).abs().max().item() <= 1e-4
     assert (placed.values - ref.values).abs().max().item() <= 1e-4

@@ -20,7 +20,7 @@ def _parts(engine, sizes: list[int]) -> tuple[list[KV], list[int]]:
     """A prefilled past cut into parts of ``sizes`` tokens (after the anchor), and its token ids."""
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 100, (sum(sizes),), generator=gen).tolist()
-    kv = KV.cat([engine.anchor_kv, engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="none").kv])
+    kv = KV.cat([engine.anchor_kv, engine.forward(ids, engine.anchor_kv, len(ANCHOR), logits="none").kv.to("cpu")])
     cuts, at = [], 0
     for n in [len(ANCHOR), *sizes]:
         cuts.append(kv.slice(at, at + n))

@@ -1,5 +1,6 @@
 """The Triton kernels (engine/kernels) compute what torch's operator path computes, for every rope style the
-adapters use, in float32 (<= 1e-6) and bfloat16 (<= 1 ulp); run on CPU tensors by Triton's interpreter."""
+adapters use, in float32 (<= 1e-6) and bfloat16 (<= 1 ulp); run on CPU tensors by Triton's interpreter, or
+compiled on the GPU under ``KAMERA_TEST_DEVICE=cuda`` (the references stay on the CPU either way)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated: Triton reads it at @jit time
+# before the kernels are decorated (Triton reads it at @jit time): the interpreter unless the tests run on a GPU
+os.environ["TRITON_INTERPRET"] = "0" if os.environ.get("KAMERA_TEST_DEVICE", "cpu").startswith("cuda") else "1"
 pytest.importorskip("triton", reason="the Triton kernels need the optional triton package (kamera[gpu])")
 
 from kamera_engine import KV, InvalidInputError, KernelBuildError, Patch
@@ -17,11 +19,15 @@ from kamera_engine.kernels import dispatch
 from kamera_engine.operator import apply_patch
 from kamera_engine.rope import RopeSpec
 from kamera_engine.vision.mrope import MRopeSpec, section_axes
+from tests.conftest import TEST_DEVICE
+
+ON_GPU = TEST_DEVICE.type == "cuda"
 
 place = importlib.import_module("kamera_engine.kernels.place")
-if type(place._place_kernel).__name__ != "InterpretedFunction":  # imported earlier without the interpreter
+relocate_many = importlib.import_module("kamera_engine.kernels.relocate_many")
+if not ON_GPU and type(place._place_kernel).__name__ != "InterpretedFunction":  # imported without the interpreter
     place = importlib.reload(place)
-relocate_many = importlib.reload(importlib.import_module("kamera_engine.kernels.relocate_many"))
+    relocate_many = importlib.reload(relocate_many)
 
 # name -> (heads, head_dim, rotary_dim, style, value head_dim, M-RoPE section or None)
 STYLES = {
@@ -59,12 +65,23 @@ def _case(name: str, dtype: torch.dtype, factor_dtype: torch.dtype, seed: int = 
 
 
 def _empty_out(canonical: KV, rows: int) -> KV:
+    """A buffer of NaNs on the kernels' device."""
     k, v = canonical.keys, canonical.values
     nan = float("nan")
     return KV(
-        torch.full((k.shape[0], rows, *k.shape[2:]), nan, dtype=k.dtype),
-        torch.full((v.shape[0], rows, *v.shape[2:]), nan, dtype=v.dtype),
+        torch.full((k.shape[0], rows, *k.shape[2:]), nan, dtype=k.dtype, device=TEST_DEVICE),
+        torch.full((v.shape[0], rows, *v.shape[2:]), nan, dtype=v.dtype, device=TEST_DEVICE),
     )
+
+
+def _dev(canonical: KV, patch: Patch | None) -> tuple[KV, Patch | None]:
+    """The kernels' inputs on their device (the references are computed from the CPU originals)."""
+    kv = canonical.to(TEST_DEVICE)
+    return kv, None if patch is None else patch.to(TEST_DEVICE)
+
+
+def _host(out: KV) -> KV:
+    return out.to("cpu")
 
 
 def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +105,8 @@ def test_fp32_matches_torch_path(name: str, with_patch: bool, monkeypatch: pytes
     monkeypatch.setenv("KAMERA_KERNEL", "torch")  # torch's serving path, not the CPU C kernel
     ref = apply_patch(canonical, p, spec, TARGET)
     out = _empty_out(canonical, TOKENS + 7)
-    place.place_chunk(canonical, p, spec, torch.arange(TARGET, TARGET + TOKENS), out, slot=5)
+    place.place_chunk(*_dev(canonical, p), spec, torch.arange(TARGET, TARGET + TOKENS), out, slot=5)
+    out = _host(out)
     keys, values = out.keys[:, 5 : 5 + TOKENS], out.values[:, 5 : 5 + TOKENS]
     scale = max(1.0, ref.keys.abs().max().item(), ref.values.abs().max().item())
     assert (keys - ref.keys).abs().max().item() <= 1e-6 * scale
@@ -108,7 +126,8 @@ def test_bf16_within_one_ulp_of_the_float64_reference(name: str, factor_dtype: t
     # torch's reference path (exact=True: float64 rotation) on the same bf16 inputs, rounded once
     ref = apply_patch(c64, p64, spec, TARGET, exact=True)
     out = _empty_out(canonical, TOKENS)
-    place.place_chunk(canonical, patch, spec, torch.arange(TARGET, TARGET + TOKENS), out)
+    place.place_chunk(*_dev(canonical, patch), spec, torch.arange(TARGET, TARGET + TOKENS), out)
+    out = _host(out)
     for got, want in ((out.keys, ref.keys), (out.values, ref.values)):
         assert got.dtype == torch.bfloat16
         want16 = want.to(torch.bfloat16)
@@ -121,7 +140,8 @@ def test_scattered_target_positions() -> None:
     target = torch.tensor([7, 3, 900, 901, 40000, *range(100, 100 + TOKENS - 5)])
     ref = apply_patch(*_double(canonical, patch), spec, target, exact=True)
     out = _empty_out(canonical, TOKENS)
-    place.place_chunk(canonical, patch, spec, target, out)
+    place.place_chunk(*_dev(canonical, patch), spec, target, out)
+    out = _host(out)
     assert (out.keys.double() - ref.keys).abs().max().item() <= 1e-6 * ref.keys.abs().max().item()
 
 
@@ -137,7 +157,9 @@ def test_many_chunks_in_one_launch_match_one_by_one(with_patch: bool, monkeypatc
     spec = cases[0][2]
     packed = KV(torch.cat([c.keys for c in chunks], 1), torch.cat([c.values for c in chunks], 1))
     out = _empty_out(chunks[0], 50)
-    relocate_many.place_chunks(packed, lengths, targets, slots, spec, out, patches if with_patch else None)
+    on_dev = [p.to(TEST_DEVICE) for p in patches] if with_patch else None
+    relocate_many.place_chunks(packed.to(TEST_DEVICE), lengths, targets, slots, spec, out, on_dev)
+    out = _host(out)
     written = torch.zeros(50, dtype=torch.bool)
     for chunk, p, n, t, s in zip(chunks, patches, lengths, targets, slots, strict=True):
         ref = apply_patch(chunk, p if with_patch else None, spec, t)
@@ -188,7 +210,7 @@ def test_dispatch_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_apply_patch_routes_to_the_kernel_where_dispatch_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The operator's hook (taken on CUDA) gives torch's result; here forced on CPU under the interpreter."""
+    """The operator's hook (taken on CUDA) gives torch's result; on a CPU forced, under the interpreter."""
     from kamera_engine import operator
 
     canonical, patch, spec = _case("mrope", torch.float32, torch.float32)
@@ -198,8 +220,10 @@ def test_apply_patch_routes_to_the_kernel_where_dispatch_says(monkeypatch: pytes
     real = place.place_chunk
     monkeypatch.setattr(operator.gpu_kernels, "serves", lambda *t: True)
     monkeypatch.setattr(place, "place_chunk", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = apply_patch(canonical, patch, spec, TARGET)
-    assert calls == [1]
-    assert torch.equal(got.positions, ref.positions) and got.deltas is canonical.deltas
+    on_dev, on_dev_patch = _dev(canonical, patch)
+    got = apply_patch(on_dev, on_dev_patch, spec, TARGET)
+    assert calls == [1] and got.deltas is on_dev.deltas
+    got = _host(got)
+    assert torch.equal(got.positions, ref.positions)
     assert (got.keys - ref.keys).abs().max().item() <= 1e-6 * max(1.0, ref.keys.abs().max().item())
     assert (got.values - ref.values).abs().max().item() <= 1e-6 * max(1.0, ref.values.abs().max().item())

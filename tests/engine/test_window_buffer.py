@@ -44,7 +44,7 @@ def test_a_forward_on_the_buffer_equals_one_on_a_copied_past(name: str, dtype: t
     n = sum(len(p) for p in parts)
     ids = random_ids(9, seed=5)
     ref = engine.forward(ids, parts, n, logits="all")  # the past copied into a fresh cache
-    buf = WindowBuffer.like(parts[0], n + len(ids))
+    buf = WindowBuffer.like(parts[0], n + len(ids), device=engine.device)  # where a window's buffer lives
     for p in parts:
         buf.append(p)
     before = buf.keys.data_ptr()

@@ -31,7 +31,7 @@ def test_shapes_carry_the_released_architectures() -> None:
 
 
 def test_shape_benchmark_reports_speed_on_a_random_model() -> None:
-    engine = random_engine("smollm2-135m", 1)
+    engine = random_engine("smollm2-135m", 1, device="cpu")  # the CPU figures (a GPU loads bf16)
     assert engine.num_layers == 1 and (engine.num_kv_heads, engine.key_dim) == (3, 64)
     assert all(torch.isfinite(p).all() for p in engine.model.parameters())
     out = run_shape(engine, "smollm2-135m", quick=True)

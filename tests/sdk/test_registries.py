@@ -38,7 +38,7 @@ def chat_engine() -> Engine:
 def _reprefill(engine: Engine, win: ContextWindow) -> KV:
     ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
     kv = engine.forward(ids, engine.anchor_kv, len(engine.anchor_ids), logits="none").kv
-    return KV.cat([engine.anchor_kv, kv])
+    return KV.cat([engine.anchor_kv, kv.to("cpu")])  # the anchor is kept in host memory
 
 
 # --- reuse policies --------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_slots_claimed_exact_equal_reprefill(engine: Engine, policy: str) -> Non
     def use() -> None:
         nonlocal checked
         plan = win.plan()
-        kv, ref = win.assemble(), _reprefill(engine, win)
+        kv, ref = win.assemble().to("cpu"), _reprefill(engine, win)  # the window on the model's device
         assert kv.keys.shape == ref.keys.shape
         now: dict[str, bool] = {}
         for sp in plan.slots:

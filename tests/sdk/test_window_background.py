@@ -30,7 +30,7 @@ def engine():
 def _reprefill(engine, win: ContextWindow) -> torch.Tensor:
     ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
     res = engine.forward(ids + PROMPT, engine.anchor_kv, len(ANCHOR), logits="last")
-    return torch.log_softmax(res.logits[-1].float(), dim=-1)
+    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()  # as the window hands its log-probs out
 
 
 def _greedy(win: ContextWindow, n: int) -> list[int]:

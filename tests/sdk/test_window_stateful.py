@@ -27,7 +27,7 @@ def reprefill(win: ContextWindow) -> torch.Tensor:
     ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
     # re-prefill as a serving engine does it: the window and the prompt in one forward after the anchor
     res = ENGINE.forward(ids + PROMPT, ENGINE.anchor_kv, len(ANCHOR), logits="last")
-    return torch.log_softmax(res.logits[-1].float(), dim=-1)
+    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()  # as the window hands its log-probs out
 
 
 class WindowMachine(WindowModelMachine):
