@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -125,6 +126,15 @@ def tiny(request: pytest.FixtureRequest) -> Engine:
 def default_engine() -> Engine:
     """The real embedded default model (SmolLM2-135M-Instruct), loaded once."""
     return Engine.load()
+
+
+def reprefill_logprobs(win: Any, prompt: list[int]) -> torch.Tensor:
+    """The reference for a window's answer: its chunks and ``prompt`` re-prefilled in one forward after the anchor, as
+    a serving engine does it; the next token's log-probs in host memory, where the window hands its own out."""
+    engine = win.engine
+    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
+    res = engine.forward(ids + prompt, engine.anchor_kv, len(engine.anchor_ids), logits="last")
+    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()
 
 
 def random_ids(n: int, seed: int, vocab: int = 128) -> list[int]:

@@ -16,7 +16,7 @@ from kamera_sdk import (
     WindowConfig,
     WindowOperationError,
 )
-from tests.conftest import ANCHOR, random_ids, tiny_engine
+from tests.conftest import ANCHOR, random_ids, reprefill_logprobs, tiny_engine
 
 PROMPT = [9, 10, 11]
 
@@ -24,13 +24,6 @@ PROMPT = [9, 10, 11]
 @pytest.fixture(scope="module")
 def engine():
     return tiny_engine("llama", seed=3)
-
-
-def _reprefill_logprobs(engine, win: ContextWindow) -> torch.Tensor:
-    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    # re-prefill as a serving engine does it: the window and the prompt in one forward after the anchor
-    res = engine.forward(ids + PROMPT, engine.anchor_kv, len(ANCHOR), logits="last")
-    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()  # as the window hands its log-probs out
 
 
 def _filled(engine, policy: str = "kamera", n: int = 4, **kw) -> tuple[ContextWindow, list[str]]:
@@ -41,7 +34,7 @@ def _filled(engine, policy: str = "kamera", n: int = 4, **kw) -> tuple[ContextWi
 
 def test_recompute_equals_reprefill_exactly(engine) -> None:
     win, _ = _filled(engine, "recompute")
-    assert torch.equal(win.next_token_logprobs(PROMPT), _reprefill_logprobs(engine, win))
+    assert torch.equal(win.next_token_logprobs(PROMPT), reprefill_logprobs(win, PROMPT))
 
 
 def test_adding_known_content_costs_nothing(engine) -> None:
@@ -592,7 +585,7 @@ def test_a_window_past_the_model_context_is_refused_before_any_work() -> None:
     win, ids = _filled(e, "recompute")  # exact, so each answer can be checked against re-prefill
     fits = len(ANCHOR) + win.tokens + len(PROMPT)
     e.context_length = fits + 2  # the prompt and two answer tokens fit exactly
-    assert torch.equal(win.next_token_logprobs(PROMPT), _reprefill_logprobs(e, win))
+    assert torch.equal(win.next_token_logprobs(PROMPT), reprefill_logprobs(win, PROMPT))
     assert win.is_disposable(ids[1], PROMPT, max_new_tokens=2).answer_with
     before = (win.chunks, win.stats().forwards, e.counters.forwards)
     with pytest.raises(ContextLengthError, match=rf"{fits} tokens \+ 3 to generate exceed .* of {fits + 2}"):
@@ -606,7 +599,7 @@ def test_a_window_past_the_model_context_is_refused_before_any_work() -> None:
         e.forward(random_ids(fits, seed=1), None, 0)
     assert (win.chunks, win.stats().forwards, e.counters.forwards) == before
     win.slide(1)  # back inside the context: served again, as re-prefill
-    assert torch.equal(win.next_token_logprobs(PROMPT), _reprefill_logprobs(e, win))
+    assert torch.equal(win.next_token_logprobs(PROMPT), reprefill_logprobs(win, PROMPT))
     e.context_length = None  # no limit
     win.add(random_ids(40, seed=7))
     assert win.next_token_logprobs(PROMPT).shape == (128,)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kamera_sdk import ContextWindow, InvalidInputError, WindowConfig
 from kamera_sdk.stats import Work
-from tests.conftest import ANCHOR, random_ids, tiny_engine
+from tests.conftest import random_ids, reprefill_logprobs, tiny_engine
 
 PROMPT = [9, 10, 11]
 
@@ -25,12 +25,6 @@ PROMPT = [9, 10, 11]
 @pytest.fixture(scope="module")
 def engine():
     return tiny_engine("llama", seed=3)
-
-
-def _reprefill(engine, win: ContextWindow) -> torch.Tensor:
-    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    res = engine.forward(ids + PROMPT, engine.anchor_kv, len(ANCHOR), logits="last")
-    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()  # as the window hands its log-probs out
 
 
 def _greedy(win: ContextWindow, n: int) -> list[int]:
@@ -101,14 +95,14 @@ def test_background_survivors_are_exact(engine) -> None:
         if idle == "prepare":
             win.prepare()
         win.add(random_ids(9, seed=7))
-        assert (win.next_token_logprobs(PROMPT) - _reprefill(engine, win)).abs().max() < 1e-4
+        assert (win.next_token_logprobs(PROMPT) - reprefill_logprobs(win, PROMPT)).abs().max() < 1e-4
     off = ContextWindow(engine, rank=4)
     for i in range(4):
         off.add(random_ids(12 + i, seed=100 + i))
     off.next_token_logprobs(PROMPT)
     off.slide(1)
     off.add(random_ids(9, seed=7))
-    assert (off.next_token_logprobs(PROMPT) - _reprefill(engine, off)).abs().max() > 1e-3
+    assert (off.next_token_logprobs(PROMPT) - reprefill_logprobs(off, PROMPT)).abs().max() > 1e-3
 
 
 def test_canonicals_of_content_prefilled_in_context_are_deferred(engine) -> None:
@@ -265,14 +259,14 @@ def test_a_lead_prefilled_in_front_is_served_from_its_own_kv() -> None:
     win.next_token_logprobs(PROMPT)
     c = win.add(random_ids(10, seed=42))
     win.reorder([c, a, b])  # c's canonical was deferred since the last use: compiling it is a forward of its own
-    assert (win.next_token_logprobs(PROMPT) - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    assert (win.next_token_logprobs(PROMPT) - reprefill_logprobs(win, PROMPT)).abs().max() < 1e-4
     st = win.stats()
     assert st.fused_refills == 1 and st.cost_plans["fused"] == 1
     assert any(d.source == "cost" and "fused" in d.reason for d in st.decisions)
     assert win.chunk(c).canonical is None
     win.add(random_ids(9, seed=60))
     assert win.plan().slots[0].source.value == "keep"
-    assert (win.next_token_logprobs(PROMPT) - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    assert (win.next_token_logprobs(PROMPT) - reprefill_logprobs(win, PROMPT)).abs().max() < 1e-4
     assert win.chunk(c).canonical is None  # idle time may still compile it; nothing on the path did
 
 
@@ -311,7 +305,7 @@ def test_a_lead_deferred_before_the_last_use_is_served_from_its_canonical() -> N
     assert executed[0].endswith(":lead") and all(x.endswith(":forward") for x in executed[1:]), executed
     assert win.stats().cost_plans.get("fused", 0) == 0 and win.stats().background_done.get("canonical") == 2
     assert (f, t) == (1, total - 10)  # a and b behind c, with the prompt: c's canonical was ready
-    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    assert (lp - reprefill_logprobs(win, PROMPT)).abs().max() < 1e-4
     cold, f0, t0, lp0 = _lead_after_a_use(idle=False)
     assert torch.equal(lp0, lp) and cold.chunks == win.chunks
     assert (f0, t0) == (2, total)  # c compiled on the path: recompute's tokens, one forward more
@@ -333,7 +327,7 @@ def _slide_step(idle: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch
     with monkeypatch.context() as m:
         m.setattr(_ENGINE, "apply", lambda *a, **k: calls.append(1) or apply(*a, **k))
         lp = win.next_token_logprobs(PROMPT)
-    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    assert (lp - reprefill_logprobs(win, PROMPT)).abs().max() < 1e-4
     return len(calls), lp
 
 
@@ -406,7 +400,7 @@ def test_a_reorder_compiles_a_new_lead_its_next_use_serves_from_the_canonical() 
     tokens = sum(after._work(w).tokens - before._work(w).tokens for w in _CRITICAL)
     assert (forwards, tokens) == (1, 180 + len(PROMPT))
     assert win.plan().slots[0].source.value == "lead"
-    assert (lp - _reprefill(_ENGINE, win)).abs().max() < 1e-4
+    assert (lp - reprefill_logprobs(win, PROMPT)).abs().max() < 1e-4
 
 
 def test_a_reorders_compile_drops_the_queued_canonical_task() -> None:

@@ -11,7 +11,7 @@ from kamera_engine import Engine, SamplingParams
 from kamera_engine.window_buffer import WindowBuffer
 from kamera_sdk import ContextWindow, WindowConfig
 from kamera_sdk.store import open_store
-from tests.conftest import ANCHOR, random_ids, tiny_model
+from tests.conftest import ANCHOR, random_ids, reprefill_logprobs, tiny_model
 
 PROMPT = [9, 10, 11]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,9 +57,7 @@ def test_window_runs_in_the_dtype_and_stays_close_to_recompute(dtype: torch.dtyp
     recompute = ContextWindow(engine, policy="recompute")
     _trace(recompute)
     # recompute is a re-prefill: the same bits as one forward over the window and the prompt
-    ids = [t for c in recompute.chunks for t in recompute.chunk(c).token_ids]
-    ref = engine.forward(ids + PROMPT, engine.anchor_kv, len(ANCHOR), logits="last")
-    want = torch.log_softmax(ref.logits[-1].float(), dim=-1).cpu()  # as the window hands its log-probs out
+    want = reprefill_logprobs(recompute, PROMPT)
     assert torch.allclose(recompute.next_token_logprobs(PROMPT), want, atol=0, rtol=0)
 
 

@@ -14,20 +14,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from kamera_sdk import ContextWindow
-from tests.conftest import ANCHOR, random_ids, tiny_engine
+from tests.conftest import random_ids, reprefill_logprobs, tiny_engine
 from tests.window_machine import WindowModelMachine
 
 ENGINE = tiny_engine("qwen2", seed=5)
 POOL = [random_ids(6 + (i % 5), seed=300 + i) for i in range(10)]
 PROMPT = [7, 8, 9]
-
-
-def reprefill(win: ContextWindow) -> torch.Tensor:
-    ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    # re-prefill as a serving engine does it: the window and the prompt in one forward after the anchor
-    res = ENGINE.forward(ids + PROMPT, ENGINE.anchor_kv, len(ANCHOR), logits="last")
-    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()  # as the window hands its log-probs out
 
 
 class WindowMachine(WindowModelMachine):
@@ -52,7 +44,7 @@ class WindowMachine(WindowModelMachine):
     @invariant()
     def recompute_equals_reprefill(self) -> None:
         if self.order:
-            assert torch.equal(self.rec.next_token_logprobs(PROMPT), reprefill(self.rec))
+            assert torch.equal(self.rec.next_token_logprobs(PROMPT), reprefill_logprobs(self.rec, PROMPT))
             lp = self.kam.next_token_logprobs(PROMPT)
             assert torch.isfinite(lp).all()
 
