@@ -1,0 +1,306 @@
+"""Where the serve loop's 8-session batched arm spends its model thread's time, on the default model, as JSON.
+
+    OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py profile      # ops of the stepping thread, one run
+    OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py round        # one round's forwards, linears timed
+    OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py switch [pairs] [intervals]
+    OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py kernels      # the same products and attention alone
+
+``profile``: ``torch.profiler`` inside the server's stepping thread for one batched run (``kamera_sdk.bench.serve``'s
+loop: add a page, ask, slide; 6 rounds, answers up to 48 tokens), the ten costliest ops and the packed linears
+grouped by the rows they multiply (decode steps, prompt steps, the head) with their FLOP and weight-read rates.
+``round``: the forwards of one steady-state round as ``round_ceiling`` runs them (8 pages in one forward, 8 asks in
+one, decode steps of 8 rows and of 1), each with the time inside its linears. ``switch``: batched runs at the
+interpreter's default switch interval and at others, alternated, with the stepping thread's run, runqueue and
+idle time from ``/proc`` (Linux). ``kernels``: the model's own packed linears run alone, all 210 layer linears in
+sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in the forms it could
+take, each the best of several runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import kamera_engine  # noqa: F401  (before torch: the engine sets OpenMP's wait policy as torch loads)
+
+# isort: split
+import torch
+
+from kamera_engine import Engine
+from kamera_engine.packed_linear import PackedLinear
+from kamera_engine.scheduler import Scheduler
+from kamera_sdk.bench.serve import arm
+from kamera_sdk.server.worker import ModelWorker
+
+SESSIONS, ROUNDS, MAX_NEW = 8, 6, 48
+
+
+def _stepping_thread(wrap: Any) -> Any:
+    """Run ``wrap(original_drive, worker)`` in place of the server's stepping loop; returns the original."""
+    original = ModelWorker._drive
+    ModelWorker._drive = lambda self: wrap(original, self)  # type: ignore[method-assign]
+    return original
+
+
+def profile(engine: Engine) -> dict[str, Any]:
+    profiles: list[Any] = []
+
+    def wrap(original: Any, worker: ModelWorker) -> None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as p:
+            original(worker)
+        profiles.append(p)
+
+    original = _stepping_thread(wrap)
+    try:
+        run = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
+    finally:
+        ModelWorker._drive = original  # type: ignore[method-assign]
+    averages = profiles[0].key_averages()
+    total = sum(e.self_cpu_time_total for e in averages) / 1e6
+    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    for e in profiles[0].key_averages(group_by_input_shape=True):
+        if e.key != "mkldnn::_linear_pointwise" or not e.input_shapes or len(e.input_shapes[1]) != 2:
+            continue
+        x, (n, k) = e.input_shapes[0], e.input_shapes[1]
+        rows = 1
+        for d in x[:-1]:
+            rows *= d
+        name = (
+            "head"
+            if n == engine.vocab_size
+            else "decode (<= 8 rows)"
+            if rows <= 8
+            else ("prompt (9-128 rows)" if rows <= 128 else "prompt (> 128 rows)")
+        )
+        g = groups[name]
+        g[0] += e.self_cpu_time_total / 1e6
+        g[1] += 2 * rows * n * k * e.count
+        g[2] += 4 * n * k * e.count
+        g[3] += e.count
+    return {
+        "tokens_per_s": run["tokens_per_s"],
+        "stepping_thread_op_s": total,
+        "top_ops_s": {e.key: e.self_cpu_time_total / 1e6 for e in top},
+        "linears": {
+            name: {"s": s, "gflop_per_s": fl / s / 1e9, "weight_gb_per_s": by / s / 1e9, "calls": calls}
+            for name, (s, fl, by, calls) in sorted(groups.items())
+        },
+    }
+
+
+def _timed_linears() -> tuple[list[float], Any]:
+    spent = [0.0]
+    original = PackedLinear.forward
+
+    def forward(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        try:
+            return original(self, x)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    PackedLinear.forward = forward  # type: ignore[method-assign]
+    return spent, original
+
+
+def round_parts(engine: Engine, repeat: int = 5) -> dict[str, Any]:
+    from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
+    from kamera_engine.decode import step_logits
+    from kamera_sdk.bench.serve import _round_shape
+
+    shape = _round_shape(engine)
+    a, w, page, ask = shape["anchor_tokens"], shape["window_tokens"], shape["page_tokens"], shape["ask_tokens"]
+
+    def ids(n: int, seed: int) -> list[int]:
+        return [(1000 + 7919 * seed + 31 * t) % engine.vocab_size for t in range(n)]
+
+    anchor = engine.forward(ids(a, 0), None, 0, logits="none").kv if a else None
+    window = engine.forward(ids(w, 1), None, 0, logits="none").kv
+    spent, original = _timed_linears()
+    out: dict[str, Any] = {"round_shape": shape}
+
+    def best(fn: Any) -> dict[str, float]:
+        fn()
+        runs = []
+        for _ in range(repeat):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            fn()
+            runs.append((time.perf_counter() - t, spent[0]))
+        total, linears = min(runs)
+        return {"s": total, "linears_s": linears}
+
+    @torch.inference_mode()
+    def pages() -> None:
+        caches = [RowCache.from_past(anchor, engine.num_layers, reserve=page) for _ in range(SESSIONS)]
+        rows = [Row.at(c, ids(page, 10 + i), a, logits="none") for i, c in enumerate(caches)]
+        batched_forward(engine.model, rows)
+
+    @torch.inference_mode()
+    def asks() -> None:
+        caches = [RowCache.from_past(window, engine.num_layers, reserve=ask) for _ in range(SESSIONS)]
+        batched_forward(engine.model, [Row.at(c, ids(ask, 50 + i), w) for i, c in enumerate(caches)])
+
+    @torch.inference_mode()
+    def decode(rows: int) -> dict[str, float]:
+        caches = [RowCache.from_past(window, engine.num_layers, reserve=ask + 20) for _ in range(rows)]
+        batched_forward(engine.model, [Row.at(c, ids(ask, 50 + i), w) for i, c in enumerate(caches)])
+        slab, pos = DecodeSlab(), w + ask
+        for c in caches:
+            slab.admit(c, pos + 20)
+        steps = []
+        for k in range(15):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            batched_forward(engine.model, [Row.at(c, [5], pos + k) for c in caches])
+            steps.append((time.perf_counter() - t, spent[0]))
+        return {"s": statistics.median(s for s, _ in steps), "linears_s": statistics.median(x for _, x in steps)}
+
+    @torch.inference_mode()
+    def single_steps() -> dict[str, float]:
+        res = engine.forward(ids(ask, 3), window, w, logits="last")
+        steps = []
+        for k in range(15):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            step_logits(engine.model, res.cache, 5, w + ask + k, engine.device)
+            steps.append((time.perf_counter() - t, spent[0]))
+        return {"s": statistics.median(s for s, _ in steps), "linears_s": statistics.median(x for _, x in steps)}
+
+    try:
+        out[f"{SESSIONS}_pages"] = best(pages)
+        out[f"{SESSIONS}_asks"] = best(asks)
+        decode(SESSIONS)  # warm-up
+        out[f"decode_step_{SESSIONS}_rows"] = decode(SESSIONS)
+        out["decode_step_1_row_slab"] = decode(1)
+        out["decode_step_alone"] = single_steps()
+    finally:
+        PackedLinear.forward = original  # type: ignore[method-assign]
+    return out
+
+
+def switch(engine: Engine, pairs: int, intervals: list[float]) -> dict[str, Any]:
+    stats: dict[str, float] = {}
+
+    def wrap(original: Any, worker: ModelWorker) -> None:
+        tid = threading.get_native_id()
+
+        def read() -> tuple[float, float, float]:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns, wait_ns, _ = f.read().split()
+            return int(run_ns) / 1e9, int(wait_ns) / 1e9, time.perf_counter()
+
+        a = read()
+        try:
+            original(worker)
+        finally:
+            b = read()
+            stats.update(run_s=b[0] - a[0], runqueue_s=b[1] - a[1], wall_s=b[2] - a[2])
+
+    waiting = Scheduler.wait_for_work
+
+    def wait_for_work(self: Scheduler, timeout: float) -> None:
+        t = time.perf_counter()
+        waiting(self, timeout)
+        stats["idle_s"] = stats.get("idle_s", 0.0) + time.perf_counter() - t
+
+    default = sys.getswitchinterval()
+    original = _stepping_thread(wrap)
+    Scheduler.wait_for_work = wait_for_work  # type: ignore[method-assign]
+    runs: dict[str, list[dict[str, float]]] = {str(s): [] for s in intervals}
+    try:
+        for i in range(pairs):
+            for s in intervals if i % 2 == 0 else intervals[::-1]:
+                sys.setswitchinterval(s)
+                stats.clear()
+                r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
+                runs[str(s)].append({"tokens_per_s": r["tokens_per_s"], **stats})
+                print(s, json.dumps(runs[str(s)][-1]), file=sys.stderr, flush=True)
+    finally:
+        sys.setswitchinterval(default)
+        ModelWorker._drive = original  # type: ignore[method-assign]
+        Scheduler.wait_for_work = waiting  # type: ignore[method-assign]
+    return {
+        "runs": runs,
+        "median_tokens_per_s": {s: statistics.median(r["tokens_per_s"] for r in rs) for s, rs in runs.items()},
+    }
+
+
+def _best_s(fn: Any, repeat: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def kernels(engine: Engine) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    layers = [m for n, m in engine.model.named_modules() if isinstance(m, PackedLinear) and "lm_head" not in n]
+    linears = {}
+    for rows in (1, 8, 56, 80, 96, 218, 448, 512):
+        xs = {k: torch.randn(1, rows, k) for k in {m.in_features for m in layers}}
+        s = _best_s(lambda xs=xs: [m(xs[m.in_features]) for m in layers], repeat=5)
+        flops = sum(2 * rows * m.in_features * m.out_features for m in layers)
+        linears[str(rows)] = {"s": s, "gflop_per_s": flops / s / 1e9}
+    cfg = engine.model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = cfg.hidden_size // heads
+    group = heads // kv_heads
+    q_len, kv_len = 80, 218  # the ask's forward: its tokens over the window's and its own
+    q = torch.randn(1, heads, q_len, dim)
+    k, v = torch.randn(1, kv_heads, kv_len, dim), torch.randn(1, kv_heads, kv_len, dim)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+    grouped = q.view(1, kv_heads, group * q_len, dim)
+    grouped_mask = mask.repeat(1, 1, group, 1)
+
+    def products() -> torch.Tensor:
+        scores = (grouped @ k.transpose(-1, -2)) * dim**-0.5
+        return scores.masked_fill(~grouped_mask, float("-inf")).softmax(-1) @ v
+
+    forms = {
+        "sdpa, grouped query heads, boolean mask (as the engine calls it)": lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True
+        ),
+        "sdpa, no mask (not causal: a floor)": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "sdpa, query heads folded per key head, mask": lambda: F.scaled_dot_product_attention(
+            grouped, k, v, attn_mask=grouped_mask
+        ),
+        "two products and a softmax": products,
+    }
+    attention = {name: _best_s(fn, repeat=20) for name, fn in forms.items()}
+    return {"linears_in_sequence": linears, "ask_attention_s_per_layer": attention, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    what = sys.argv[1] if len(sys.argv) > 1 else "profile"
+    engine = Engine.load()
+    if what == "kernels":
+        print(json.dumps(kernels(engine), indent=1))
+        return
+    arm(engine, 2, True, 2, 8)  # warm-up
+    if what == "profile":
+        result = profile(engine)
+    elif what == "round":
+        result = round_parts(engine)
+    elif what == "switch":
+        pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+        intervals = [float(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0.005, 0.0002]
+        result = switch(engine, pairs, intervals)
+    else:
+        raise SystemExit(f"unknown measurement {what!r}: use profile, round, switch or kernels")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
