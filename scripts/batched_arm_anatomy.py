@@ -34,7 +34,8 @@ import torch
 from kamera_engine import Engine
 from kamera_engine.packed_linear import PackedLinear
 from kamera_engine.scheduler import Scheduler
-from kamera_sdk.bench.serve import arm
+from kamera_sdk.bench.metrics import timed
+from kamera_sdk.bench.serve import arm, round_ids, round_shape
 from kamera_sdk.server.worker import ModelWorker
 
 SESSIONS, ROUNDS, MAX_NEW = 8, 6, 48
@@ -112,70 +113,64 @@ def _timed_linears() -> tuple[list[float], Any]:
 def round_parts(engine: Engine, repeat: int = 5) -> dict[str, Any]:
     from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
     from kamera_engine.decode import step_logits
-    from kamera_sdk.bench.serve import _round_shape
 
-    shape = _round_shape(engine)
+    shape = round_shape(engine)
     a, w, page, ask = shape["anchor_tokens"], shape["window_tokens"], shape["page_tokens"], shape["ask_tokens"]
-
-    def ids(n: int, seed: int) -> list[int]:
-        return [(1000 + 7919 * seed + 31 * t) % engine.vocab_size for t in range(n)]
-
-    anchor = engine.forward(ids(a, 0), None, 0, logits="none").kv if a else None
-    window = engine.forward(ids(w, 1), None, 0, logits="none").kv
+    anchor = engine.forward(round_ids(engine, a, 0), None, 0, logits="none").kv if a else None
+    window = engine.forward(round_ids(engine, w, 1), None, 0, logits="none").kv
     spent, original = _timed_linears()
-    out: dict[str, Any] = {"round_shape": shape}
+
+    def runs(fn: Any, n: int) -> list[tuple[float, float]]:
+        """``n`` calls of ``fn(k)``, each as (seconds, seconds inside the linears)."""
+        out = []
+        for k in range(n):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            fn(k)
+            out.append((time.perf_counter() - t, spent[0]))
+        return out
 
     def best(fn: Any) -> dict[str, float]:
-        fn()
-        runs = []
-        for _ in range(repeat):
-            spent[0] = 0.0
-            t = time.perf_counter()
-            fn()
-            runs.append((time.perf_counter() - t, spent[0]))
-        total, linears = min(runs)
+        fn(0)  # warm-up
+        total, linears = min(runs(fn, repeat))
         return {"s": total, "linears_s": linears}
 
-    @torch.inference_mode()
-    def pages() -> None:
-        caches = [RowCache.from_past(anchor, engine.num_layers, reserve=page) for _ in range(SESSIONS)]
-        rows = [Row.at(c, ids(page, 10 + i), a, logits="none") for i, c in enumerate(caches)]
-        batched_forward(engine.model, rows)
-
-    @torch.inference_mode()
-    def asks() -> None:
-        caches = [RowCache.from_past(window, engine.num_layers, reserve=ask) for _ in range(SESSIONS)]
-        batched_forward(engine.model, [Row.at(c, ids(ask, 50 + i), w) for i, c in enumerate(caches)])
-
-    @torch.inference_mode()
-    def decode(rows: int) -> dict[str, float]:
-        caches = [RowCache.from_past(window, engine.num_layers, reserve=ask + 20) for _ in range(rows)]
-        batched_forward(engine.model, [Row.at(c, ids(ask, 50 + i), w) for i, c in enumerate(caches)])
-        slab, pos = DecodeSlab(), w + ask
-        for c in caches:
-            slab.admit(c, pos + 20)
-        steps = []
-        for k in range(15):
-            spent[0] = 0.0
-            t = time.perf_counter()
-            batched_forward(engine.model, [Row.at(c, [5], pos + k) for c in caches])
-            steps.append((time.perf_counter() - t, spent[0]))
+    def median(steps: list[tuple[float, float]]) -> dict[str, float]:
         return {"s": statistics.median(s for s, _ in steps), "linears_s": statistics.median(x for _, x in steps)}
+
+    def caches(rows: int, past: Any, reserve: int) -> list[RowCache]:
+        return [RowCache.from_past(past, engine.num_layers, reserve=reserve) for _ in range(rows)]
+
+    @torch.inference_mode()
+    def pages(_: int) -> None:
+        rows = caches(SESSIONS, anchor, page)
+        batched_forward(
+            engine.model, [Row.at(c, round_ids(engine, page, 10 + i), a, logits="none") for i, c in enumerate(rows)]
+        )
+
+    @torch.inference_mode()
+    def asks(_: int) -> None:
+        rows = caches(SESSIONS, window, ask)
+        batched_forward(engine.model, [Row.at(c, round_ids(engine, ask, 50 + i), w) for i, c in enumerate(rows)])
+
+    @torch.inference_mode()
+    def decode(n: int) -> dict[str, float]:
+        """Decode steps of ``n`` slab rows after the ask, as the scheduler runs them."""
+        rows = caches(n, window, ask + 20)
+        batched_forward(engine.model, [Row.at(c, round_ids(engine, ask, 50 + i), w) for i, c in enumerate(rows)])
+        slab, pos = DecodeSlab(), w + ask
+        for c in rows:
+            slab.admit(c, pos + 20)
+        return median(runs(lambda k: batched_forward(engine.model, [Row.at(c, [5], pos + k) for c in rows]), 15))
 
     @torch.inference_mode()
     def single_steps() -> dict[str, float]:
-        res = engine.forward(ids(ask, 3), window, w, logits="last")
-        steps = []
-        for k in range(15):
-            spent[0] = 0.0
-            t = time.perf_counter()
-            step_logits(engine.model, res.cache, 5, w + ask + k, engine.device)
-            steps.append((time.perf_counter() - t, spent[0]))
-        return {"s": statistics.median(s for s, _ in steps), "linears_s": statistics.median(x for _, x in steps)}
+        """The one-at-a-time server's decode steps after the ask."""
+        res = engine.forward(round_ids(engine, ask, 3), window, w, logits="last")
+        return median(runs(lambda k: step_logits(engine.model, res.cache, 5, w + ask + k, engine.device), 15))
 
     try:
-        out[f"{SESSIONS}_pages"] = best(pages)
-        out[f"{SESSIONS}_asks"] = best(asks)
+        out: dict[str, Any] = {"round_shape": shape, f"{SESSIONS}_pages": best(pages), f"{SESSIONS}_asks": best(asks)}
         decode(SESSIONS)  # warm-up
         out[f"decode_step_{SESSIONS}_rows"] = decode(SESSIONS)
         out["decode_step_1_row_slab"] = decode(1)
@@ -232,16 +227,6 @@ def switch(engine: Engine, pairs: int, intervals: list[float]) -> dict[str, Any]
     }
 
 
-def _best_s(fn: Any, repeat: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 @torch.inference_mode()
 def kernels(engine: Engine) -> dict[str, Any]:
     import torch.nn.functional as F
@@ -250,7 +235,7 @@ def kernels(engine: Engine) -> dict[str, Any]:
     linears = {}
     for rows in (1, 8, 56, 80, 96, 218, 448, 512):
         xs = {k: torch.randn(1, rows, k) for k in {m.in_features for m in layers}}
-        s = _best_s(lambda xs=xs: [m(xs[m.in_features]) for m in layers], repeat=5)
+        s = timed(lambda xs=xs: [m(xs[m.in_features]) for m in layers], 5, reduce=min)
         flops = sum(2 * rows * m.in_features * m.out_features for m in layers)
         linears[str(rows)] = {"s": s, "gflop_per_s": flops / s / 1e9}
     cfg = engine.model.config
@@ -278,7 +263,7 @@ def kernels(engine: Engine) -> dict[str, Any]:
         ),
         "two products and a softmax": products,
     }
-    attention = {name: _best_s(fn, repeat=20) for name, fn in forms.items()}
+    attention = {name: timed(fn, 20, reduce=min) for name, fn in forms.items()}
     return {"linears_in_sequence": linears, "ask_attention_s_per_layer": attention, "threads": torch.get_num_threads()}
 
 

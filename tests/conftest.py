@@ -133,8 +133,7 @@ def reprefill_logprobs(win: Any, prompt: list[int]) -> torch.Tensor:
     a serving engine does it; the next token's log-probs in host memory, where the window hands its own out."""
     engine = win.engine
     ids = [t for c in win.chunks for t in win.chunk(c).token_ids]
-    res = engine.forward(ids + prompt, engine.anchor_kv, len(engine.anchor_ids), logits="last")
-    return torch.log_softmax(res.logits[-1].float(), dim=-1).cpu()
+    return engine.next_token_logprobs(engine.anchor_kv, ids + prompt, len(engine.anchor_ids))
 
 
 def random_ids(n: int, seed: int, vocab: int = 128) -> list[int]:

@@ -37,6 +37,7 @@ import httpx
 from kamera_engine import KV, Engine, InvalidInputError
 
 from ..server.loadgen import run_together
+from .metrics import timed
 
 _WORDS = "river stone lamp orchard violin harbor ledger copper meadow lantern".split()
 
@@ -162,18 +163,6 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _best(fn: Any, repeat: int) -> float:
-    """Seconds of ``fn``'s fastest of ``repeat`` timed runs after one warm-up run (a shared machine's noise
-    only ever adds time)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def repeated_decode_step(
     engine: Engine, past: KV, past_tokens: int, rows: int, *, slabbed: bool = True
 ) -> Callable[[], None]:
@@ -211,7 +200,7 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
     past = engine.forward(ids, None, 0, logits="none").kv
 
     def decode_step(b: int, slabbed: bool) -> float:
-        return _best(repeated_decode_step(engine, past, past_tokens, b, slabbed=slabbed), repeat)
+        return timed(repeated_decode_step(engine, past, past_tokens, b, slabbed=slabbed), repeat, reduce=min)
 
     decode_s = {str(b): decode_step(b, True) for b in (1, 8, 32)}
     per_row_s = {str(b): decode_step(b, False) for b in (1, 8, 32)}
@@ -222,7 +211,7 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
         page.rollback(mark)
         batched_forward(engine.model, [Row.at(page, ids[:page_tokens], past_tokens)])
 
-    prefill_s = _best(prefill, repeat)
+    prefill_s = timed(prefill, repeat, reduce=min)
     one = decode_s["1"]
     return {
         "decode_step_s": decode_s,
@@ -236,7 +225,7 @@ def ceiling(engine: Engine, *, past_tokens: int = 300, page_tokens: int = 56, re
     }
 
 
-def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
+def round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
     """The forwards of the loop's steady-state round as a window runs them, read off the calling thread's
     engine counters around one session's calls (rounds of the loop until a slide has happened): the page's
     compile (``page_tokens``, behind the anchor's ``anchor_tokens``) and the ask's forward (``ask_tokens``:
@@ -268,12 +257,17 @@ def _round_shape(engine: Engine, held: int = 3) -> dict[str, int]:
     }
 
 
+def round_ids(engine: Engine, n: int, seed: int) -> list[int]:
+    """``n`` synthetic token ids for the round ceiling's forwards (distinct per ``seed``, within the vocabulary)."""
+    return [(1000 + 7919 * seed + 31 * t) % engine.vocab_size for t in range(n)]
+
+
 def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *, repeat: int = 5) -> dict[str, Any]:
     """What perfect batching of the loop's forwards would gain on this machine: one steady-state round of
     N sessions (each: its page's compile, its ask's forward, an answer of ``answer_tokens``) with every
     session's page in one packed forward, every ask in one and every decode step holding all N rows,
     against N times one session's round (``Engine.forward`` and the decode loop's single steps, as the
-    one-at-a-time server runs them). Synthetic token ids of the loop's own lengths (``_round_shape``).
+    one-at-a-time server runs them). Synthetic token ids of the loop's own lengths (``round_shape``).
     Forwards only: no scheduler, no HTTP, no window planning or patch forming (which the one-at-a-time
     server runs between its forwards and a batched one can overlap on another core), so it is the
     forwards' bound on ``throughput_ratio`` for this loop, not a target. Each figure is the best of
@@ -283,12 +277,11 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
     from kamera_engine.batch import DecodeSlab, Row, RowCache, batched_forward
     from kamera_engine.decode import step_logits
 
-    shape = _round_shape(engine)
+    shape = round_shape(engine)
     a, w = shape["anchor_tokens"], shape["window_tokens"]
-    vocab = engine.vocab_size
 
     def ids(n: int, seed: int) -> list[int]:
-        return [(1000 + 7919 * seed + 31 * t) % vocab for t in range(n)]
+        return round_ids(engine, n, seed)
 
     anchor = engine.forward(ids(a, 0), None, 0, logits="none").kv if a else None
     window = engine.forward(ids(w, 1), None, 0, logits="none").kv
@@ -317,9 +310,11 @@ def round_ceiling(engine: Engine, counts: tuple[int, ...], answer_tokens: int, *
         for k in range(steps):
             batched_forward(engine.model, [Row.at(c, [5], pos + k) for c in asks])
 
-    single = _best(one_session, repeat)
+    single = timed(one_session, repeat, reduce=min)
     seconds = {
-        str(n): {"batched": _best(lambda n=n: batched(n), repeat), "sequential": n * single} for n in counts if n > 1
+        str(n): {"batched": timed(lambda n=n: batched(n), repeat, reduce=min), "sequential": n * single}
+        for n in counts
+        if n > 1
     }
     return {
         "round_shape": {**shape, "answer_tokens": answer_tokens},
