@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py round        # one round's forwards, linears timed
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py switch [pairs] [intervals]
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py kernels      # the same products and attention alone
+    OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py steps [runs] [step_tokens]
 
 ``profile``: ``torch.profiler`` inside the server's stepping thread for one batched run (``kamera_sdk.bench.serve``'s
 loop: add a page, ask, slide; 6 rounds, answers up to 48 tokens), the ten costliest ops and the packed linears
@@ -13,7 +14,11 @@ one, decode steps of 8 rows and of 1), each with the time inside its linears. ``
 interpreter's default switch interval and at others, alternated, with the stepping thread's run, runqueue and
 idle time from ``/proc`` (Linux). ``kernels``: the model's own packed linears run alone, all 210 layer linears in
 sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in the forms it could
-take, each the best of several runs.
+take, each the best of several runs. ``steps``: every step of batched runs timed (the packed steps and the window
+forwards that ran alone), the run's time by kind of step, and its tail: the time after the last step that still
+held four or more decode rows or two window forwards, when one or two sessions finish their answers nearly alone
+(with the tokens its decode rows made);
+with several ``step_tokens`` (comma-separated), runs alternate between them.
 """
 
 from __future__ import annotations
@@ -267,6 +272,71 @@ def kernels(engine: Engine) -> dict[str, Any]:
     return {"linears_in_sequence": linears, "ask_attention_s_per_layer": attention, "threads": torch.get_num_threads()}
 
 
+def _step_kind(decode_rows: int, window_forwards: int, prompt_tokens: int) -> str:
+    if window_forwards:
+        return "window forwards (pages, asks), with any decode rows"
+    if prompt_tokens:
+        return "prompt chunks, with any decode rows"
+    return "decode only, " + ("8 rows" if decode_rows >= 8 else "4-7 rows" if decode_rows >= 4 else "1-3 rows")
+
+
+def steps(engine: Engine, runs: int, budgets: list[int]) -> dict[str, Any]:
+    log: list[tuple[float, float, int, int, int]] = []  # (start, seconds, decode rows, window forwards, prompt tokens)
+    run_plan, run_alone, init = Scheduler._run_plan, Scheduler._run_alone, Scheduler.__init__
+    budget = [budgets[0]]
+
+    def timed_plan(self: Scheduler, plan: Any) -> None:
+        t = time.perf_counter()
+        run_plan(self, plan)
+        log.append((t, time.perf_counter() - t, plan.decode_rows, len(plan.carried), plan.prefill_tokens))
+
+    def timed_alone(self: Scheduler, item: Any) -> None:
+        t = time.perf_counter()
+        run_alone(self, item)
+        log.append((t, time.perf_counter() - t, 0, 1, 0))
+
+    def with_budget(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{"step_tokens": budget[0], **kwargs})
+
+    Scheduler._run_plan, Scheduler._run_alone = timed_plan, timed_alone  # type: ignore[method-assign]
+    Scheduler.__init__ = with_budget  # type: ignore[method-assign]
+    out: dict[str, list[dict[str, Any]]] = {str(b): [] for b in budgets}
+    try:
+        for i in range(runs):
+            for b in budgets if i % 2 == 0 else budgets[::-1]:
+                budget[0] = b
+                log.clear()
+                r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
+                start, end = log[0][0], max(t + dt for t, dt, *_ in log)
+                wide = max(t for t, _, rows, forwards, _ in log if rows >= 4 or forwards >= 2)
+                kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+                for _, dt, rows, forwards, prompt in log:
+                    k = kinds[_step_kind(rows, forwards, prompt)]
+                    k[0] += 1
+                    k[1] += dt
+                out[str(b)].append(
+                    {
+                        "tokens_per_s": r["tokens_per_s"],
+                        "elapsed_s": r["elapsed_s"],
+                        "steps": len(log),
+                        "in_steps_s": sum(dt for _, dt, *_ in log),
+                        "between_steps_s": end - start - sum(dt for _, dt, *_ in log),
+                        "by_kind": {k: {"steps": n, "s": s} for k, (n, s) in sorted(kinds.items())},
+                        "tail_s": end - wide,
+                        "tail_steps": sum(1 for t, *_ in log if t > wide),
+                        "tail_decode_tokens": sum(rows for t, _, rows, *_ in log if t > wide),
+                    }
+                )
+                print(b, json.dumps(out[str(b)][-1]), file=sys.stderr, flush=True)
+    finally:
+        Scheduler._run_plan, Scheduler._run_alone = run_plan, run_alone  # type: ignore[method-assign]
+        Scheduler.__init__ = init  # type: ignore[method-assign]
+    return {
+        "runs": out,
+        "median_tokens_per_s": {b: statistics.median(r["tokens_per_s"] for r in rs) for b, rs in out.items()},
+    }
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "profile"
     engine = Engine.load()
@@ -282,8 +352,12 @@ def main() -> None:
         pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 6
         intervals = [float(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0.005, 0.0002]
         result = switch(engine, pairs, intervals)
+    elif what == "steps":
+        runs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+        budgets = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [512]
+        result = steps(engine, runs, budgets)
     else:
-        raise SystemExit(f"unknown measurement {what!r}: use profile, round, switch or kernels")
+        raise SystemExit(f"unknown measurement {what!r}: use profile, round, switch, kernels or steps")
     print(json.dumps(result, indent=1))
 
 
