@@ -168,6 +168,19 @@ class SchedulerStats(BaseModel):
         return self.rows_total / self.steps if self.steps else 0.0
 
 
+class StepRecord(BaseModel):
+    """One step of a scheduler, as ``Scheduler.observe`` reports it: a batched forward, or a window forward
+    that ran alone (``alone``: nothing else to run in its step, the unbatched path)."""
+
+    ended: float  # ``time.perf_counter()`` when its forward ended
+    seconds: float  # its forward
+    decode_rows: int = 0
+    prompt_tokens: int = 0  # prompt chunks prefilled in it (submitted requests)
+    window_forwards: int = 0  # window forwards' rows in it (``carry``; a chunk of a split one counts one)
+    window_tokens: int = 0
+    alone: bool = False
+
+
 _END = object()
 
 
@@ -390,6 +403,7 @@ class Scheduler:
             raise InvalidInputError(f"kv_budget_bytes must be >= 1 or None, got {kv_budget_bytes}")
         self.engine = engine
         self.step_tokens = step_tokens
+        self._observers: list[Callable[[StepRecord], None]] = []
         self.max_rows = max_rows
         self.kv_budget_bytes = kv_budget_bytes
         self.max_waiting = max_waiting
@@ -543,8 +557,12 @@ class Scheduler:
             self._admit()
         lone = self._lone_window_forward()
         if lone is not None:  # one window forward and nothing else to run: the unbatched path, bit for bit
+            t0 = time.perf_counter()
             self._run_alone(lone)
             self._stats.carried_alone += 1
+            if self._observers:
+                n, dt = int(lone.ids.numel()), time.perf_counter() - t0
+                self._report(StepRecord(ended=t0 + dt, seconds=dt, window_forwards=1, window_tokens=n, alone=True))
             return True
         plan = _Plan()
         try:
@@ -879,6 +897,38 @@ class Scheduler:
             # engine-wide only: the thread that ran this step (a window's, when nothing drives) did not ask
             # for the other requests' work, and its own carried forward is counted by its ``Engine.forward``
             self.engine.count_forward(prefill, dt, per_thread=False)
+        if self._observers:
+            record = StepRecord(
+                ended=time.perf_counter(),
+                seconds=dt,
+                decode_rows=decode,
+                prompt_tokens=prefill,
+                window_forwards=len(plan.carried),
+                window_tokens=sum(c.tokens for c in plan.carried),
+            )
+            self._report(record)
+
+    @contextmanager
+    def observe(self, fn: Callable[[StepRecord], None]) -> Iterator[None]:
+        """Call ``fn`` with a ``StepRecord`` after every step while the block runs (a step log, a live view of
+        batch sizes). It runs on the stepping thread between steps, so keep it short; an error in it is logged
+        and the step goes on."""
+        with self._lock:
+            self._observers = [*self._observers, fn]
+        try:
+            yield
+        finally:
+            with self._lock:
+                observers = list(self._observers)
+                observers.remove(fn)
+                self._observers = observers  # a new list: a step reporting now goes over the old one
+
+    def _report(self, record: StepRecord) -> None:
+        for fn in self._observers:
+            try:
+                fn(record)
+            except Exception:
+                log.exception("a step observer failed (the step went on)")
 
     def _admit(self) -> None:
         """Move waiting requests into the running set, in order, while rows and memory allow; a key's

@@ -14,11 +14,11 @@ one, decode steps of 8 rows and of 1), each with the time inside its linears. ``
 interpreter's default switch interval and at others, alternated, with the stepping thread's run, runqueue and
 idle time from ``/proc`` (Linux). ``kernels``: the model's own packed linears run alone, all 210 layer linears in
 sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in the forms it could
-take, each the best of several runs. ``steps``: every step of batched runs timed (the packed steps and the window
-forwards that ran alone), the run's time by kind of step, and its tail: the time after the last step that still
-held four or more decode rows or two window forwards, when one or two sessions finish their answers nearly alone
-(with the tokens its decode rows made);
-with several ``step_tokens`` (comma-separated), runs alternate between them.
+take, each the best of several runs. ``steps``: every step of batched runs as ``Scheduler.observe`` reports it
+(the packed steps and the window forwards that ran alone), the run's time by kind of step, and its tail: the time
+after the last step that still held four or more decode rows or two window forwards, when one or two sessions
+finish their answers nearly alone (with the tokens its decode rows made); with several ``step_tokens``
+(comma-separated), runs alternate between them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from typing import Any
 
 import kamera_engine  # noqa: F401  (before torch: the engine sets OpenMP's wait policy as torch loads)
@@ -38,7 +39,7 @@ import torch
 
 from kamera_engine import Engine
 from kamera_engine.packed_linear import PackedLinear
-from kamera_engine.scheduler import Scheduler
+from kamera_engine.scheduler import Scheduler, StepRecord
 from kamera_sdk.bench.metrics import timed
 from kamera_sdk.bench.serve import arm, round_ids, round_shape
 from kamera_sdk.server.worker import ModelWorker
@@ -272,64 +273,57 @@ def kernels(engine: Engine) -> dict[str, Any]:
     return {"linears_in_sequence": linears, "ask_attention_s_per_layer": attention, "threads": torch.get_num_threads()}
 
 
-def _step_kind(decode_rows: int, window_forwards: int, prompt_tokens: int) -> str:
-    if window_forwards:
+def _step_kind(step: StepRecord) -> str:
+    if step.window_forwards:
         return "window forwards (pages, asks), with any decode rows"
-    if prompt_tokens:
+    if step.prompt_tokens:
         return "prompt chunks, with any decode rows"
-    return "decode only, " + ("8 rows" if decode_rows >= 8 else "4-7 rows" if decode_rows >= 4 else "1-3 rows")
+    rows = step.decode_rows
+    return "decode only, " + ("8 rows" if rows >= 8 else "4-7 rows" if rows >= 4 else "1-3 rows")
 
 
 def steps(engine: Engine, runs: int, budgets: list[int]) -> dict[str, Any]:
-    log: list[tuple[float, float, int, int, int]] = []  # (start, seconds, decode rows, window forwards, prompt tokens)
-    run_plan, run_alone, init = Scheduler._run_plan, Scheduler._run_alone, Scheduler.__init__
-    budget = [budgets[0]]
+    log: list[StepRecord] = []
+    init, budget, observing = Scheduler.__init__, [budgets[0]], ExitStack()
 
-    def timed_plan(self: Scheduler, plan: Any) -> None:
-        t = time.perf_counter()
-        run_plan(self, plan)
-        log.append((t, time.perf_counter() - t, plan.decode_rows, len(plan.carried), plan.prefill_tokens))
-
-    def timed_alone(self: Scheduler, item: Any) -> None:
-        t = time.perf_counter()
-        run_alone(self, item)
-        log.append((t, time.perf_counter() - t, 0, 1, 0))
-
-    def with_budget(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+    def observed(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+        """The server's scheduler with this run's ``step_tokens``, its steps logged (``Scheduler.observe``)."""
         init(self, *args, **{"step_tokens": budget[0], **kwargs})
+        observing.enter_context(self.observe(log.append))
 
-    Scheduler._run_plan, Scheduler._run_alone = timed_plan, timed_alone  # type: ignore[method-assign]
-    Scheduler.__init__ = with_budget  # type: ignore[method-assign]
+    Scheduler.__init__ = observed  # type: ignore[method-assign]
     out: dict[str, list[dict[str, Any]]] = {str(b): [] for b in budgets}
     try:
         for i in range(runs):
             for b in budgets if i % 2 == 0 else budgets[::-1]:
                 budget[0] = b
                 log.clear()
-                r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
-                start, end = log[0][0], max(t + dt for t, dt, *_ in log)
-                wide = max(t for t, _, rows, forwards, _ in log if rows >= 4 or forwards >= 2)
+                with observing:
+                    r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
+                start, end = min(s.ended - s.seconds for s in log), max(s.ended for s in log)
+                wide = max(s.ended - s.seconds for s in log if s.decode_rows >= 4 or s.window_forwards >= 2)
+                tail = [s for s in log if s.ended - s.seconds > wide]
                 kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-                for _, dt, rows, forwards, prompt in log:
-                    k = kinds[_step_kind(rows, forwards, prompt)]
+                for s in log:
+                    k = kinds[_step_kind(s)]
                     k[0] += 1
-                    k[1] += dt
+                    k[1] += s.seconds
+                in_steps = sum(s.seconds for s in log)
                 out[str(b)].append(
                     {
                         "tokens_per_s": r["tokens_per_s"],
                         "elapsed_s": r["elapsed_s"],
                         "steps": len(log),
-                        "in_steps_s": sum(dt for _, dt, *_ in log),
-                        "between_steps_s": end - start - sum(dt for _, dt, *_ in log),
+                        "in_steps_s": in_steps,
+                        "between_steps_s": end - start - in_steps,
                         "by_kind": {k: {"steps": n, "s": s} for k, (n, s) in sorted(kinds.items())},
                         "tail_s": end - wide,
-                        "tail_steps": sum(1 for t, *_ in log if t > wide),
-                        "tail_decode_tokens": sum(rows for t, _, rows, *_ in log if t > wide),
+                        "tail_steps": len(tail),
+                        "tail_decode_tokens": sum(s.decode_rows for s in tail),
                     }
                 )
                 print(b, json.dumps(out[str(b)][-1]), file=sys.stderr, flush=True)
     finally:
-        Scheduler._run_plan, Scheduler._run_alone = run_plan, run_alone  # type: ignore[method-assign]
         Scheduler.__init__ = init  # type: ignore[method-assign]
     return {
         "runs": out,

@@ -14,7 +14,7 @@ import torch
 from kamera_engine import CapacityError, Engine, InvalidInputError, SamplingParams
 from kamera_engine.batch import RowCache
 from kamera_engine.runner import ForwardResult
-from kamera_engine.scheduler import Scheduler
+from kamera_engine.scheduler import Scheduler, StepRecord
 from tests.conftest import random_ids, tiny_engine
 
 TOL = 1e-4
@@ -174,13 +174,16 @@ def test_a_lone_window_forward_is_the_unbatched_forward_exactly(engine: Engine) 
     ((ids, past, start, logits),) = _cases(engine, 2)[1:]
     want = engine.forward(ids, past, start, logits=logits)
     sched = Scheduler(engine)
-    with sched.driving():
+    seen: list[StepRecord] = []
+    with sched.driving(), sched.observe(seen.append):
         out, threads = _carry_from_threads(sched, [(ids, past, start, logits)])
         _wait_until(lambda: sched.stats().carried_waiting == 1)
         assert sched.step()
         threads[0].join()
     got = out[0]
     assert got is not None and sched.stats().carried_alone == 1
+    (step,) = seen
+    assert step.alone and step.window_forwards == 1 and step.window_tokens == len(ids) and step.decode_rows == 0
     assert torch.equal(got.logits, want.logits) and torch.equal(got.kv.keys, want.kv.keys)
     assert torch.equal(got.kv.values, want.kv.values)
 

@@ -13,7 +13,7 @@ from kamera_engine import Engine, SamplingParams
 from kamera_engine.errors import CapacityError, InvalidInputError, KameraError
 from kamera_engine.kv import KV
 from kamera_engine.runner import run_forward
-from kamera_engine.scheduler import Scheduler
+from kamera_engine.scheduler import Scheduler, StepRecord
 from tests.conftest import CharTokenizer, char_engine, random_ids
 
 
@@ -80,6 +80,28 @@ def test_a_batch_gives_every_request_its_single_output(engine: Engine, step_toke
     assert stats.batch_max >= min(5, step_tokens) and stats.running == 0 and stats.kv_bytes == 0
     assert stats.finished == len(cases)
     assert stats.decode_tokens > 0 and stats.prefill_tokens == sum(n for _, n, _ in CASES)
+
+
+def test_observe_reports_every_step_and_its_errors_change_nothing(engine: Engine) -> None:
+    cases = _cases(engine)
+    _, want = _batched(engine, Scheduler(engine, step_tokens=4), cases)
+    sched = Scheduler(engine, step_tokens=4)
+    seen: list[StepRecord] = []
+
+    def broken(_: StepRecord) -> None:
+        raise RuntimeError("an observer's own bug")
+
+    with sched.observe(broken), sched.observe(seen.append):
+        _, got = _batched(engine, sched, cases)
+    assert got == want
+    stats = sched.stats()
+    assert len(seen) == stats.steps > 1
+    assert sum(s.decode_rows for s in seen) == stats.decode_tokens
+    assert sum(s.prompt_tokens for s in seen) == stats.prefill_tokens
+    assert all(s.seconds > 0 and s.ended > 0 and not s.alone and not s.window_forwards for s in seen)
+    assert [s.ended for s in seen] == sorted(s.ended for s in seen)
+    _batched(engine, sched, cases[:1])  # after the block: no longer reported
+    assert len(seen) == stats.steps < sched.stats().steps
 
 
 def test_stop_strings_end_rows_early_in_the_scheduler(engine: Engine) -> None:
