@@ -17,6 +17,28 @@ def _port(value: str) -> int:
     return port
 
 
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _bytes(value: str) -> int:
+    """A byte count: an integer, or one with KiB, MiB or GiB (``512MiB``, ``2GiB``)."""
+    number = value.rstrip("KMGiB")
+    unit = value[len(number) :]
+    if unit not in _UNITS or not number.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected bytes such as 2147483648, 512MiB or 2GiB, got {value!r}")
+    n = int(number) * _UNITS[unit]
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
+    return n
+
+
 def _engine(args: argparse.Namespace):
     from kamera_engine import Engine
 
@@ -115,9 +137,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kamera_engine import InvalidInputError
+
     from .server.cli import serve
 
-    return serve(_engine(args), host=args.host, port=args.port, api_key=args.api_key, store=args.store)
+    flags = {"--kv-budget": args.kv_budget, "--step-tokens": args.step_tokens, "--max-batch-rows": args.max_batch_rows}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not args.batch and given:  # before the model loads
+        verb = "configures" if len(given) == 1 else "configure"
+        raise InvalidInputError(f"{', '.join(given)} {verb} batching, which --no-batch turns off")
+    return serve(
+        _engine(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        store=args.store,
+        batch=args.batch,
+        kv_budget_bytes=args.kv_budget,
+        step_tokens=args.step_tokens,
+        max_batch_rows=args.max_batch_rows,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +217,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8765, help="TCP port, 0 for a free one (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
+    serve.add_argument(
+        "--no-batch",
+        dest="batch",
+        action="store_false",
+        help="one answer at a time on one worker thread instead of every session's work in shared batched steps",
+    )
+    serve.add_argument(
+        "--kv-budget",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="KV the answers being decoded may hold (e.g. 2GiB); past it new answers wait, then get 429 with "
+        "Retry-After (default: no limit)",
+    )
+    serve.add_argument(
+        "--step-tokens",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="most tokens one batched step runs; longer prompts are prefilled in chunks (default: 512)",
+    )
+    serve.add_argument(
+        "--max-batch-rows",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="most rows (answers and window forwards) in one batched step (default: 64)",
+    )
     serve.set_defaults(func=cmd_serve)
     add_store_command(sub)
     add_fleet_command(sub)

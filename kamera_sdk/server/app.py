@@ -107,16 +107,28 @@ class ServerState:
         *,
         batch: bool = True,
         kv_budget_bytes: int | None = None,
+        step_tokens: int | None = None,
+        max_batch_rows: int | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits
-        # one store for every session: a path or URL is opened once here and shared
-        self.store = open_store(default_store_path() if store == "default" else store) if store is not None else None
-        self._owns_store = self.store is not None and self.store is not store
         # every session's answers decode together in the scheduler's batches (engines with a forward of
         # their own kind, e.g. vision, decode one answer at a time on the worker)
         batchable = batch and isinstance(engine, Engine) and engine.batchable
-        self.scheduler = Scheduler(engine, kv_budget_bytes=kv_budget_bytes) if batchable else None
+        options = {"kv_budget_bytes": kv_budget_bytes, "step_tokens": step_tokens, "max_rows": max_batch_rows}
+        given = {k: v for k, v in options.items() if v is not None}
+        scheduler = None
+        if batchable:  # built (and its options checked) before the store opens: a bad option leaves nothing open
+            scheduler = Scheduler(engine, **given)
+        elif given:  # never ignored: without the scheduler nothing would hold the budget
+            why = "batch=False" if not batch else f"{type(engine).__name__} decodes one answer at a time"
+            names = ", ".join("max_batch_rows" if k == "max_rows" else k for k in given)
+            verb = "configures" if len(given) == 1 else "configure"
+            raise InvalidInputError(f"{names} {verb} the batching scheduler, which this server does not run ({why})")
+        # one store for every session: a path or URL is opened once here and shared
+        self.store = open_store(default_store_path() if store == "default" else store) if store is not None else None
+        self._owns_store = self.store is not None and self.store is not store
+        self.scheduler = scheduler
         self.worker = ModelWorker(self.scheduler)
         # a dropped session's window is closed on the worker (its pending patches stored, its pins released)
         self.sessions = SessionRegistry(
@@ -228,6 +240,8 @@ def create_app(
     session_ttl_s: float | None = 3600.0,
     batch: bool = True,
     kv_budget_bytes: int | None = None,
+    step_tokens: int | None = None,
+    max_batch_rows: int | None = None,
 ) -> FastAPI:
     """An app serving ``engine``; every window shares ``store`` (an object, or a path each window opens).
 
@@ -236,7 +250,10 @@ def create_app(
     request (422), tokens per session window (413), idle seconds before a session expires.
     ``batch``: decode every session's answers together in one scheduler (``False``: one forward per job,
     answers interleaved token by token). ``kv_budget_bytes``: KV the answers being decoded may hold;
-    past it new answers wait in a bounded queue, then get 429 with ``Retry-After``.
+    past it new answers wait in a bounded queue, then get 429 with ``Retry-After``. ``step_tokens``: most
+    tokens one batched step runs (prompts beyond it are prefilled in chunks; the scheduler's default 512),
+    ``max_batch_rows``: most rows in one step (64). These three configure the batching scheduler: with
+    ``batch=False``, or an engine that cannot batch, passing them is an error rather than ignored.
     """
     limits = ops.Limits(
         max_body_bytes=max_body_bytes,
@@ -246,7 +263,15 @@ def create_app(
         max_session_tokens=max_session_tokens,
         session_ttl_s=session_ttl_s,
     )
-    state = ServerState(engine, limits, store, batch=batch, kv_budget_bytes=kv_budget_bytes)
+    state = ServerState(
+        engine,
+        limits,
+        store,
+        batch=batch,
+        kv_budget_bytes=kv_budget_bytes,
+        step_tokens=step_tokens,
+        max_batch_rows=max_batch_rows,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

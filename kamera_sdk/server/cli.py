@@ -30,8 +30,13 @@ def serve(
     api_key: str | None = None,
     store: object | None = None,
     log_level: str = "info",
+    batch: bool = True,
+    kv_budget_bytes: int | None = None,
+    step_tokens: int | None = None,
+    max_batch_rows: int | None = None,
 ) -> int:
-    """Serve ``engine`` until interrupted; returns the exit code. ``api_key`` defaults to ``$KAMERA_API_KEY``.
+    """Serve ``engine`` until interrupted; returns the exit code. ``api_key`` defaults to ``$KAMERA_API_KEY``;
+    ``batch``, ``kv_budget_bytes``, ``step_tokens`` and ``max_batch_rows`` are ``create_app``'s.
 
     On SIGINT/SIGTERM uvicorn stops accepting, lets requests in flight finish, then the app's lifespan
     stops the model worker and flushes the store.
@@ -43,7 +48,15 @@ def serve(
     api_key = api_key or os.environ.get("KAMERA_API_KEY") or None
     if api_key is None and not _is_loopback(host):
         err.print(f"[yellow]warning:[/] serving on {host} without an API key: anyone who can reach it can use it")
-    app = create_app(engine, api_key=api_key, store=store)
+    app = create_app(
+        engine,
+        api_key=api_key,
+        store=store,
+        batch=batch,
+        kv_budget_bytes=kv_budget_bytes,
+        step_tokens=step_tokens,
+        max_batch_rows=max_batch_rows,
+    )
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on"
     )

@@ -93,3 +93,41 @@ def test_serve_help_shows_its_defaults(capsys) -> None:
         build_parser().parse_args(["serve", "--help"])
     out = capsys.readouterr().out
     assert "(default: 127.0.0.1)" in out and "(default: 8765)" in out
+
+
+def test_serve_takes_the_batching_options(capsys) -> None:
+    line = ["serve", "--kv-budget", "512MiB", "--step-tokens", "256", "--max-batch-rows", "16"]
+    args = build_parser().parse_args(line)
+    assert (args.batch, args.kv_budget, args.step_tokens, args.max_batch_rows) == (True, 512 << 20, 256, 16)
+    assert build_parser().parse_args(["serve", "--kv-budget", "4096"]).kv_budget == 4096
+    assert not build_parser().parse_args(["serve", "--no-batch"]).batch
+    for bad, message in [
+        (["--kv-budget", "2GB"], "expected bytes such as"),
+        (["--kv-budget", "0"], "at least 1 byte"),
+        (["--step-tokens", "0"], "must be at least 1"),
+        (["--max-batch-rows", "x"], "invalid"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["serve", *bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_passes_them_on_and_refuses_them_without_batching(monkeypatch, capsys) -> None:
+    import kamera_sdk.cli as cli
+    import kamera_sdk.server.cli as server_cli
+
+    served: list[dict] = []
+    monkeypatch.setattr(cli, "_engine", lambda args: "engine")
+    monkeypatch.setattr(server_cli, "serve", lambda engine, **kw: served.append({"engine": engine, **kw}) or 0)
+    assert main(["serve", "--kv-budget", "1GiB", "--step-tokens", "128"]) == 0
+    (got,) = served
+    assert got["engine"] == "engine" and got["batch"] is True
+    assert (got["kv_budget_bytes"], got["step_tokens"], got["max_batch_rows"]) == (1 << 30, 128, None)
+
+    def no_model(args: object) -> None:
+        raise AssertionError("the model must not load for a refused command line")
+
+    monkeypatch.setattr(cli, "_engine", no_model)
+    assert main(["serve", "--no-batch", "--step-tokens", "8", "--kv-budget", "1KiB"]) == 2
+    assert "--kv-budget, --step-tokens configure batching" in capsys.readouterr().err
+    assert len(served) == 1

@@ -3,12 +3,13 @@ work past the KV budget with 429 and Retry-After (tiny random model, real uvicor
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import httpx
 import pytest
 
-from kamera_engine.errors import CapacityError
+from kamera_engine.errors import CapacityError, InvalidInputError
 from kamera_sdk.server import create_app, ops
 from kamera_sdk.server.client import RemoteWindow
 from tests.conftest import tiny_chat_engine
@@ -78,3 +79,24 @@ def test_an_answer_over_the_whole_budget_is_refused_and_the_session_goes_on() ->
         assert len(win.chunks) == 1  # the window is as it was
         stats = httpx.get(f"{server.url}/v1/engine/stats", headers=AUTH).json()
         assert stats["refused"] == 1 and stats["running"] == 0
+
+
+def _scheduler_of(app: object) -> object:
+    """The app's scheduler (None without batching), the app shut down (its worker threads stopped)."""
+    state = app.state.kamera  # type: ignore[attr-defined]
+    asyncio.run(state.shutdown())
+    return state.scheduler
+
+
+def test_the_scheduler_options_reach_the_scheduler_and_are_never_ignored(tmp_path) -> None:
+    engine = tiny_chat_engine()
+    sched = _scheduler_of(create_app(engine, kv_budget_bytes=1 << 20, step_tokens=16, max_batch_rows=4))
+    assert (sched.kv_budget_bytes, sched.step_tokens, sched.max_rows) == (1 << 20, 16, 4)
+    assert _scheduler_of(create_app(engine)).step_tokens == 512  # the scheduler's own defaults
+    with pytest.raises(InvalidInputError, match=r"step_tokens, max_batch_rows configure .*\(batch=False\)"):
+        create_app(engine, batch=False, step_tokens=16, max_batch_rows=4)
+    assert _scheduler_of(create_app(engine, batch=False)) is None
+    store = tmp_path / "store"
+    with pytest.raises(InvalidInputError, match="step_tokens"):
+        create_app(engine, store=str(store), step_tokens=0)
+    assert not store.exists()  # refused before the store opened
