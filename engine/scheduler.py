@@ -169,8 +169,9 @@ class SchedulerStats(BaseModel):
 
 
 class StepRecord(BaseModel):
-    """One step of a scheduler, as ``Scheduler.observe`` reports it: a batched forward, or a window forward
-    that ran alone (``alone``: nothing else to run in its step, the unbatched path)."""
+    """One step of a scheduler, as ``Scheduler.observe`` reports it: a batched forward, or work that ran alone
+    (``alone``): a window forward with nothing to share its step (``window_forwards`` 1), or a job queued to
+    run alone between steps (``run_alone``: a forward that must not be packed, selective recompute; no rows)."""
 
     ended: float  # ``time.perf_counter()`` when its forward ended
     seconds: float  # its forward
@@ -397,8 +398,10 @@ class Scheduler:
     ) -> None:
         if not engine.batchable:
             raise InvalidInputError(f"{type(engine).__name__} runs forwards of its own kind; it cannot be batched")
-        if step_tokens < 1 or max_rows < 1 or max_waiting < 0:
-            raise InvalidInputError("step_tokens and max_rows must be >= 1, max_waiting >= 0")
+        limits = (("step_tokens", step_tokens, 1), ("max_rows", max_rows, 1), ("max_waiting", max_waiting, 0))
+        for name, value, least in limits:
+            if value < least:
+                raise InvalidInputError(f"{name} must be >= {least}, got {value}")
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise InvalidInputError(f"kv_budget_bytes must be >= 1 or None, got {kv_budget_bytes}")
         self.engine = engine
@@ -577,6 +580,7 @@ class Scheduler:
         return True
 
     def _run_plan(self, plan: _Plan) -> None:
+        window_forwards, window_tokens = len(plan.carried), sum(c.tokens for c in plan.carried)
         rows = [*plan.rows, *(c.row for c in plan.carried)]
         spans = row_spans(rows)
         recorded = [(a, b, c.item.recorders) for (a, b), c in zip(spans[len(plan.rows) :], plan.carried, strict=True)]
@@ -594,6 +598,16 @@ class Scheduler:
         dt = time.perf_counter() - t0
         with small_kernels_inline():
             self._hand_out(plan, logits, captured, dt)
+        if self._observers:  # once its tokens are handed out: an observer never delays them
+            record = StepRecord(
+                ended=t0 + dt,
+                seconds=dt,
+                decode_rows=plan.decode_rows,
+                prompt_tokens=plan.prefill_tokens,
+                window_forwards=window_forwards,
+                window_tokens=window_tokens,
+            )
+            self._report(record)
 
     def _hand_out(self, plan: _Plan, logits: list[torch.Tensor | None], captured: Any, dt: float) -> None:
         """After a step's forward: count it, pick every request's token (one that starts decoding moves into the
@@ -669,12 +683,16 @@ class Scheduler:
             jobs = list(self._alone_jobs)
             self._alone_jobs.clear()
         for job in jobs:
+            t0 = time.perf_counter()
             try:
                 job.result = job.context.run(job.fn)
             except BaseException as exc:  # the caller's error, raised on its own thread
                 job.error = exc
             self._stats.alone += 1
+            dt = time.perf_counter() - t0
             job.finished.set()
+            if self._observers:
+                self._report(StepRecord(ended=t0 + dt, seconds=dt, alone=True))
         return bool(jobs)
 
     def carry(
@@ -897,22 +915,13 @@ class Scheduler:
             # engine-wide only: the thread that ran this step (a window's, when nothing drives) did not ask
             # for the other requests' work, and its own carried forward is counted by its ``Engine.forward``
             self.engine.count_forward(prefill, dt, per_thread=False)
-        if self._observers:
-            record = StepRecord(
-                ended=time.perf_counter(),
-                seconds=dt,
-                decode_rows=decode,
-                prompt_tokens=prefill,
-                window_forwards=len(plan.carried),
-                window_tokens=sum(c.tokens for c in plan.carried),
-            )
-            self._report(record)
 
     @contextmanager
     def observe(self, fn: Callable[[StepRecord], None]) -> Iterator[None]:
         """Call ``fn`` with a ``StepRecord`` after every step while the block runs (a step log, a live view of
-        batch sizes). It runs on the stepping thread between steps, so keep it short; an error in it is logged
-        and the step goes on."""
+        batch sizes), once the step's tokens are handed out. It runs on the stepping thread before the next
+        step, so keep it short; an ``Exception`` in it is logged and the scheduler goes on. A step that was
+        being reported as the block ended may still reach ``fn`` just after it."""
         with self._lock:
             self._observers = [*self._observers, fn]
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from .console import err, print_result
@@ -10,30 +11,36 @@ from .fleet_cli import add_fleet_command
 from .store_cli import add_store_command
 
 
+def _whole(value: str) -> int:
+    if not re.fullmatch(r"\s*[0-9]+\s*", value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}")
+    return int(value)
+
+
 def _port(value: str) -> int:
-    port = int(value)
+    port = _whole(value)
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
     return port
 
 
 def _positive(value: str) -> int:
-    n = int(value)
+    n = _whole(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
 
-_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 def _bytes(value: str) -> int:
-    """A byte count: an integer, or one with KiB, MiB or GiB (``512MiB``, ``2GiB``)."""
-    number = value.rstrip("KMGiB")
-    unit = value[len(number) :]
-    if unit not in _UNITS or not number.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected bytes such as 2147483648, 512MiB or 2GiB, got {value!r}")
-    n = int(number) * _UNITS[unit]
+    """A byte count: a whole number, or one with KiB, MiB or GiB (``512MiB``, ``2 GiB``)."""
+    found = re.fullmatch(r"\s*([0-9]+)\s*(KiB|MiB|GiB)?\s*", value)
+    if found is None:
+        example = "such as 2147483648, 512MiB or 2GiB"
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes {example}, got {value!r}")
+    n = int(found.group(1)) * _UNITS[found.group(2)]
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
     return n
@@ -143,11 +150,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {"--kv-budget": args.kv_budget, "--step-tokens": args.step_tokens, "--max-batch-rows": args.max_batch_rows}
     given = [flag for flag, value in flags.items() if value is not None]
+    verb = "configures" if len(given) == 1 else "configure"
     if not args.batch and given:  # before the model loads
-        verb = "configures" if len(given) == 1 else "configure"
         raise InvalidInputError(f"{', '.join(given)} {verb} batching, which --no-batch turns off")
+    engine = _engine(args)
+    if given and not engine.batchable:
+        why = f"{type(engine).__name__} decodes one answer at a time"
+        raise InvalidInputError(f"{', '.join(given)} {verb} batching, which this model does not do ({why})")
     return serve(
-        _engine(args),
+        engine,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

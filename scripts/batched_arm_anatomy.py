@@ -15,10 +15,10 @@ interpreter's default switch interval and at others, alternated, with the steppi
 idle time from ``/proc`` (Linux). ``kernels``: the model's own packed linears run alone, all 210 layer linears in
 sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in the forms it could
 take, each the best of several runs. ``steps``: every step of batched runs as ``Scheduler.observe`` reports it
-(the packed steps and the window forwards that ran alone), the run's time by kind of step, and its tail: the time
-after the last step that still held four or more decode rows or two window forwards, when one or two sessions
-finish their answers nearly alone (with the tokens its decode rows made); with several ``step_tokens``
-(comma-separated), runs alternate between them.
+(the packed steps and what ran alone), the run's time by kind of step, and its tail: the time from the start of
+the last step that still held four or more decode rows or two window forwards, when one or two sessions finish
+their answers nearly alone (with the steps after that one and the tokens their decode rows made); with several
+``step_tokens`` (comma-separated), runs alternate between them.
 """
 
 from __future__ import annotations
@@ -274,6 +274,8 @@ def kernels(engine: Engine) -> dict[str, Any]:
 
 
 def _step_kind(step: StepRecord) -> str:
+    if step.alone and not step.window_forwards:
+        return "work run alone between steps"
     if step.window_forwards:
         return "window forwards (pages, asks), with any decode rows"
     if step.prompt_tokens:
@@ -300,6 +302,8 @@ def steps(engine: Engine, runs: int, budgets: list[int]) -> dict[str, Any]:
                 log.clear()
                 with observing:
                     r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
+                if not any(s.decode_rows >= 4 or s.window_forwards >= 2 for s in log):
+                    raise RuntimeError(f"no wide step in a run of {len(log)} steps: is the server batching?")
                 start, end = min(s.ended - s.seconds for s in log), max(s.ended for s in log)
                 wide = max(s.ended - s.seconds for s in log if s.decode_rows >= 4 or s.window_forwards >= 2)
                 tail = [s for s in log if s.ended - s.seconds > wide]

@@ -115,16 +115,22 @@ class ServerState:
         # every session's answers decode together in the scheduler's batches (engines with a forward of
         # their own kind, e.g. vision, decode one answer at a time on the worker)
         batchable = batch and isinstance(engine, Engine) and engine.batchable
-        options = {"kv_budget_bytes": kv_budget_bytes, "step_tokens": step_tokens, "max_rows": max_batch_rows}
+        options = {"kv_budget_bytes": kv_budget_bytes, "step_tokens": step_tokens, "max_batch_rows": max_batch_rows}
         given = {k: v for k, v in options.items() if v is not None}
+        for name, value in given.items():
+            if value < 1:
+                raise InvalidInputError(f"{name} must be at least 1, got {value}")
         scheduler = None
-        if batchable:  # built (and its options checked) before the store opens: a bad option leaves nothing open
-            scheduler = Scheduler(engine, **given)
+        if batchable:  # built before the store opens: a refused option leaves nothing open
+            sizes = {"step_tokens": step_tokens, "max_rows": max_batch_rows}
+            sizes = {k: v for k, v in sizes.items() if v is not None}  # those not given keep its defaults
+            scheduler = Scheduler(engine, kv_budget_bytes=kv_budget_bytes, **sizes)
         elif given:  # never ignored: without the scheduler nothing would hold the budget
             why = "batch=False" if not batch else f"{type(engine).__name__} decodes one answer at a time"
-            names = ", ".join("max_batch_rows" if k == "max_rows" else k for k in given)
             verb = "configures" if len(given) == 1 else "configure"
-            raise InvalidInputError(f"{names} {verb} the batching scheduler, which this server does not run ({why})")
+            raise InvalidInputError(
+                f"{', '.join(given)} {verb} the batching scheduler, which this server does not run ({why})"
+            )
         # one store for every session: a path or URL is opened once here and shared
         self.store = open_store(default_store_path() if store == "default" else store) if store is not None else None
         self._owns_store = self.store is not None and self.store is not store

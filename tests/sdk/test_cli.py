@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,12 +101,16 @@ def test_serve_takes_the_batching_options(capsys) -> None:
     args = build_parser().parse_args(line)
     assert (args.batch, args.kv_budget, args.step_tokens, args.max_batch_rows) == (True, 512 << 20, 256, 16)
     assert build_parser().parse_args(["serve", "--kv-budget", "4096"]).kv_budget == 4096
+    assert build_parser().parse_args(["serve", "--kv-budget", " 2 GiB "]).kv_budget == 2 << 30
     assert not build_parser().parse_args(["serve", "--no-batch"]).batch
     for bad, message in [
-        (["--kv-budget", "2GB"], "expected bytes such as"),
-        (["--kv-budget", "0"], "at least 1 byte"),
+        (["--kv-budget", "2GB"], "expected a whole number of bytes such as"),
+        (["--kv-budget", "1.5GiB"], "expected a whole number of bytes such as"),
+        (["--kv-budget", "\u00b2"], "expected a whole number of bytes such as"),
+        (["--kv-budget", "0KiB"], "at least 1 byte"),
         (["--step-tokens", "0"], "must be at least 1"),
-        (["--max-batch-rows", "x"], "invalid"),
+        (["--max-batch-rows", "x"], "expected a whole number, got 'x'"),
+        (["--port", "80a"], "expected a whole number, got '80a'"),
     ]:
         with pytest.raises(SystemExit) as exc:
             build_parser().parse_args(["serve", *bad])
@@ -117,17 +122,23 @@ def test_serve_passes_them_on_and_refuses_them_without_batching(monkeypatch, cap
     import kamera_sdk.server.cli as server_cli
 
     served: list[dict] = []
-    monkeypatch.setattr(cli, "_engine", lambda args: "engine")
+    engine = SimpleNamespace(batchable=True)
+    monkeypatch.setattr(cli, "_engine", lambda args: engine)
     monkeypatch.setattr(server_cli, "serve", lambda engine, **kw: served.append({"engine": engine, **kw}) or 0)
     assert main(["serve", "--kv-budget", "1GiB", "--step-tokens", "128"]) == 0
     (got,) = served
-    assert got["engine"] == "engine" and got["batch"] is True
+    assert got["engine"] is engine and got["batch"] is True
     assert (got["kv_budget_bytes"], got["step_tokens"], got["max_batch_rows"]) == (1 << 30, 128, None)
+
+    engine.batchable = False  # a model that decodes one answer at a time (vision)
+    assert main(["serve", "--max-batch-rows", "4"]) == 2
+    assert "--max-batch-rows configures batching, which this model does not do" in capsys.readouterr().err
+    assert main(["serve"]) == 0 and len(served) == 2  # nothing to refuse without the flags
 
     def no_model(args: object) -> None:
         raise AssertionError("the model must not load for a refused command line")
 
     monkeypatch.setattr(cli, "_engine", no_model)
     assert main(["serve", "--no-batch", "--step-tokens", "8", "--kv-budget", "1KiB"]) == 2
-    assert "--kv-budget, --step-tokens configure batching" in capsys.readouterr().err
-    assert len(served) == 1
+    assert "--kv-budget, --step-tokens configure batching, which --no-batch turns off" in capsys.readouterr().err
+    assert len(served) == 2

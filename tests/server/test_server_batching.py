@@ -97,6 +97,17 @@ def test_the_scheduler_options_reach_the_scheduler_and_are_never_ignored(tmp_pat
         create_app(engine, batch=False, step_tokens=16, max_batch_rows=4)
     assert _scheduler_of(create_app(engine, batch=False)) is None
     store = tmp_path / "store"
-    with pytest.raises(InvalidInputError, match="step_tokens"):
-        create_app(engine, store=str(store), step_tokens=0)
+    with pytest.raises(InvalidInputError, match="max_batch_rows must be at least 1, got 0"):
+        create_app(engine, store=str(store), max_batch_rows=0)
+    with pytest.raises(InvalidInputError, match="kv_budget_bytes must be"):
+        create_app(engine, store=str(store), kv_budget_bytes=-1)
     assert not store.exists()  # refused before the store opened
+
+
+def test_scheduler_options_for_a_model_that_cannot_batch_are_refused(monkeypatch) -> None:
+    engine = tiny_chat_engine()
+    monkeypatch.setattr(engine, "batchable", False)  # as a vision engine: one answer at a time
+    refused = r"kv_budget_bytes configures .*\(Engine decodes one answer at a time\)"
+    with pytest.raises(InvalidInputError, match=refused):
+        create_app(engine, kv_budget_bytes=1 << 20)
+    assert _scheduler_of(create_app(engine)) is None
