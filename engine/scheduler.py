@@ -159,7 +159,9 @@ class SchedulerStats(BaseModel):
     kv_bytes_peak: int = 0
     slab_rows: int = 0  # decoding requests whose KV sits in the decode slab now (attended in one call)
     slab_bytes: int = 0  # the slab's buffers now, padding included
-    kv_budget_bytes: int | None = None
+    kv_budget_bytes: int | None = None  # the limits it runs under (its constructor's)
+    step_tokens: int = 512
+    max_rows: int = 64
     running: int = 0
     waiting: int = 0
 
@@ -421,7 +423,7 @@ class Scheduler:
         self._kv_bytes = 0
         self._slab = DecodeSlab()  # decoding requests' KV side by side: one attention call for all of them
         self._slab_need = 0  # need_bytes of the requests in the slab
-        self._stats = SchedulerStats(kv_budget_bytes=kv_budget_bytes)
+        self._stats = SchedulerStats(kv_budget_bytes=kv_budget_bytes, step_tokens=step_tokens, max_rows=max_rows)
         self._driver: int | None = None  # the thread that drives steps, when one does
         self._wake = threading.Condition()
         self._stop = False

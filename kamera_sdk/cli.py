@@ -3,47 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
+from .cli_args import add_batching_flags, batching_flags_given, batching_options, port
 from .console import err, print_result
 from .fleet_cli import add_fleet_command
 from .store_cli import add_store_command
-
-
-def _whole(value: str) -> int:
-    if not re.fullmatch(r"\s*[0-9]+\s*", value):
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}")
-    return int(value)
-
-
-def _port(value: str) -> int:
-    port = _whole(value)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return port
-
-
-def _positive(value: str) -> int:
-    n = _whole(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def _bytes(value: str) -> int:
-    """A byte count: a whole number, or one with KiB, MiB or GiB (``512MiB``, ``2 GiB``)."""
-    found = re.fullmatch(r"\s*([0-9]+)\s*(KiB|MiB|GiB)?\s*", value)
-    if found is None:
-        example = "such as 2147483648, 512MiB or 2GiB"
-        raise argparse.ArgumentTypeError(f"expected a whole number of bytes {example}, got {value!r}")
-    n = int(found.group(1)) * _UNITS[found.group(2)]
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
-    return n
 
 
 def _engine(args: argparse.Namespace):
@@ -148,26 +113,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server.cli import serve
 
-    flags = {"--kv-budget": args.kv_budget, "--step-tokens": args.step_tokens, "--max-batch-rows": args.max_batch_rows}
-    given = [flag for flag, value in flags.items() if value is not None]
-    verb = "configures" if len(given) == 1 else "configure"
-    if not args.batch and given:  # before the model loads
-        raise InvalidInputError(f"{', '.join(given)} {verb} batching, which --no-batch turns off")
+    options = batching_options(args)  # a contradiction is refused before the model loads
     engine = _engine(args)
+    given = batching_flags_given(args)
     if given and not engine.batchable:
         why = f"{type(engine).__name__} decodes one answer at a time"
+        verb = "configures" if len(given) == 1 else "configure"
         raise InvalidInputError(f"{', '.join(given)} {verb} batching, which this model does not do ({why})")
-    return serve(
-        engine,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        store=args.store,
-        batch=args.batch,
-        kv_budget_bytes=args.kv_budget,
-        step_tokens=args.step_tokens,
-        max_batch_rows=args.max_batch_rows,
-    )
+    return serve(engine, host=args.host, port=args.port, api_key=args.api_key, store=args.store, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,37 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
     serve = sub.add_parser("serve", parents=[common], help="run one engine behind an HTTP API (sessions = windows)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=_port, default=8765, help="TCP port, 0 for a free one (default: %(default)s)")
+    serve.add_argument("--port", type=port, default=8765, help="TCP port, 0 for a free one (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
-    serve.add_argument(
-        "--no-batch",
-        dest="batch",
-        action="store_false",
-        help="one answer at a time on one worker thread instead of every session's work in shared batched steps",
-    )
-    serve.add_argument(
-        "--kv-budget",
-        type=_bytes,
-        default=None,
-        metavar="BYTES",
-        help="KV the answers being decoded may hold (e.g. 2GiB); past it new answers wait, then get 429 with "
-        "Retry-After (default: no limit)",
-    )
-    serve.add_argument(
-        "--step-tokens",
-        type=_positive,
-        default=None,
-        metavar="N",
-        help="most tokens one batched step runs; longer prompts are prefilled in chunks (default: 512)",
-    )
-    serve.add_argument(
-        "--max-batch-rows",
-        type=_positive,
-        default=None,
-        metavar="N",
-        help="most rows (answers and window forwards) in one batched step (default: 64)",
-    )
+    add_batching_flags(serve)
     serve.set_defaults(func=cmd_serve)
     add_store_command(sub)
     add_fleet_command(sub)

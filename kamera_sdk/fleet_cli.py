@@ -6,8 +6,12 @@ import argparse
 from importlib import import_module
 from typing import Any
 
+from .cli_args import add_batching_flags, batching_options, port
+
 
 def _up(args: argparse.Namespace) -> int:
+    # each replica's create_app options; a contradiction is refused before Ray starts
+    args.app_options = batching_options(args)
     try:
         cli = import_module("kamera_fleet.cli")
     except ImportError as exc:
@@ -30,9 +34,10 @@ def add_fleet_command(sub: Any) -> None:
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
     up.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster started here")
     up.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: %(default)s)")
-    up.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    up.add_argument("--port", type=port, default=8000, help="HTTP port (default: %(default)s)")
     up.add_argument("--secret", default=None, help="store entries' HMAC secret (default: $KAMERA_FLEET_SECRET)")
     up.add_argument("--model", default=None, help="HF id or local path (default: the embedded SmolLM2-135M)")
     up.add_argument("--device", default=None, help="cpu or cuda")
     up.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    add_batching_flags(up)  # each replica's server, as kamera serve's
     up.set_defaults(func=_up)

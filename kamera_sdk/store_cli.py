@@ -8,25 +8,15 @@ as any open does. Results print as a table, or as one JSON object with ``--json`
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kamera_engine.errors import InvalidInputError
 
+from .cli_args import byte_count
 from .console import print_result
 from .store import DiskBackend, default_store_path
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"500000"``, ``"500M"``, ``"2G"``, ``"1.5GiB"`` -> bytes (decimal units; ``Ki``/``Mi``/``Gi`` binary)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, flags=re.IGNORECASE)
-    if m is None or (m.group(2) or "").lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 500000, 500M, 2G)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 def open_existing(path: str | Path | None) -> DiskBackend:
@@ -120,7 +110,7 @@ def add_store_command(sub: Any) -> None:
     check.add_argument("--fix", action="store_true", help="quarantine bad files, re-index verified files with no row")
     actions.add_parser("rebuild-index", parents=[common], help="rebuild the index from the entry files")
     prune = actions.add_parser("prune", parents=[common], help="evict least recently used entries down to a size")
-    prune.add_argument("--max-bytes", type=parse_bytes, required=True, help="bytes to keep at most (e.g. 2G)")
+    prune.add_argument("--max-bytes", type=byte_count, required=True, help="bytes to keep at most (e.g. 2G)")
     clear = actions.add_parser("clear", parents=[common], help="delete every entry (needs --yes)")
     clear.add_argument("--yes", action="store_true", help="confirm: delete every stored entry")
     store.set_defaults(func=_run)

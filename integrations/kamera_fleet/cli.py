@@ -8,7 +8,7 @@ import signal
 import time
 from functools import partial
 
-from kamera_sdk import Engine
+from kamera_sdk import Engine, KameraError
 
 
 def start(args: argparse.Namespace) -> str:
@@ -32,9 +32,26 @@ def start(args: argparse.Namespace) -> str:
         max_replicas=args.max_replicas,
         secret=args.secret or os.environ.get("KAMERA_FLEET_SECRET") or None,
         replica_cpus=args.replica_cpus,
+        app_options=args.app_options,  # batching, the KV budget and step sizes (kamera fleet up's flags)
     )
     serve.run(build_app(config), route_prefix="/", name="kamera")
     return f"http://{args.host}:{args.port}"
+
+
+def failed_deployment_error() -> str | None:
+    """The last line of the error a failed deployment's replica raised (``serve.status()``), if any."""
+    from ray import serve
+
+    try:
+        status = serve.status()
+    except Exception:  # no controller to ask: the caller reports what it has
+        return None
+    for app in status.applications.values():
+        for deployment in app.deployments.values():
+            lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
+            if deployment.status == "DEPLOY_FAILED" and lines:
+                return lines[-1]
+    return None
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -50,7 +67,15 @@ def up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    url = start(args)
+    try:
+        url = start(args)
+    except Exception as exc:  # a replica that cannot start (its constructor raised) fails the deployment
+        why = str(exc)
+        if ray.is_initialized():  # (asking serve.status() without Ray would start it)
+            why = failed_deployment_error() or why
+            serve.shutdown()
+            ray.shutdown()
+        raise KameraError(f"the fleet did not start: {why}") from exc
     print(f"kamera fleet serving on {url} (Ctrl-C stops it)", flush=True)
     try:
         while True:

@@ -311,3 +311,20 @@ def _forks_streams_and_a_lost_journal(cluster: str, redis_url: str, engine: Any,
     broken.close()
     for w in (parent, child):
         w.close()
+
+
+def test_a_replica_that_refuses_its_options_fails_the_deployment_with_its_error(cluster: str, redis_url: str) -> None:
+    """``app_options`` reach each replica's ``create_app``; one it refuses fails the deployment, and
+    ``failed_deployment_error`` (what ``kamera fleet up`` reports before it shuts Ray down) finds its error."""
+    from kamera_fleet.cli import failed_deployment_error
+
+    options = {"batch": False, "step_tokens": 8}  # a step size without a scheduler: refused, never ignored
+    cfg = FleetConfig(tiny_chat_engine, redis_url, replica_cpus=0.5, secret=SECRET, app_options=options)
+    try:
+        with pytest.raises(RuntimeError, match="Deploying application kamera-refused failed"):
+            serve.run(build_app(cfg), route_prefix="/refused", name="kamera-refused")
+        why = failed_deployment_error()
+        assert why is not None and "InvalidInputError" in why
+        assert "step_tokens configures the batching scheduler, which this server does not run (batch=False)" in why
+    finally:
+        serve.delete("kamera-refused")

@@ -1,5 +1,6 @@
-"""``kamera fleet up`` for real: a subprocess starts a local Ray cluster and the fleet, answers a session's
-request over HTTP, and stops cleanly on SIGINT. Runs after test_fleet.py's cluster is down (one at a time)."""
+"""``kamera fleet up`` for real: a subprocess starts a local Ray cluster and the fleet (its replica's scheduler
+under the batching flags given), answers a session's request over HTTP, and stops cleanly on SIGINT. Runs
+after test_fleet.py's cluster is down (one at a time)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_fleet_up_serves_and_stops(tmp_path: Path, redis_url: str) -> None:
     model = _tiny_model_dir(tmp_path / "tiny")
     port = _free_port()
     cmd = [sys.executable, "-c", CLI, "fleet", "up", "--store", redis_url, "--replicas", "1", "--num-cpus", "2",
-           "--replica-cpus", "0.5", "--port", str(port), "--model", str(model), "--secret", "k" * 32]  # fmt: skip
+           "--replica-cpus", "0.5", "--port", str(port), "--model", str(model), "--secret", "k" * 32,
+           "--kv-budget", "1GiB", "--step-tokens", "96"]  # fmt: skip
     log = (tmp_path / "fleet-up.log").open("w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
@@ -64,6 +66,8 @@ def test_fleet_up_serves_and_stops(tmp_path: Path, redis_url: str) -> None:
             assert time.monotonic() < deadline, "kamera fleet up did not come up in 180 s"
             time.sleep(0.5)
         url = f"http://127.0.0.1:{port}"
+        limits = httpx.get(f"{url}/v1/engine/stats", timeout=30).raise_for_status().json()
+        assert (limits["kv_budget_bytes"], limits["step_tokens"], limits["max_rows"]) == (1 << 30, 96, 64)
         with RemoteWindow(url, timeout=120) as w:
             w.add_text("The fleet was started by its command line.")
             answer = w.generate("Summarise.", max_new_tokens=5)

@@ -100,13 +100,15 @@ def test_serve_takes_the_batching_options(capsys) -> None:
     line = ["serve", "--kv-budget", "512MiB", "--step-tokens", "256", "--max-batch-rows", "16"]
     args = build_parser().parse_args(line)
     assert (args.batch, args.kv_budget, args.step_tokens, args.max_batch_rows) == (True, 512 << 20, 256, 16)
-    assert build_parser().parse_args(["serve", "--kv-budget", "4096"]).kv_budget == 4096
-    assert build_parser().parse_args(["serve", "--kv-budget", " 2 GiB "]).kv_budget == 2 << 30
     assert not build_parser().parse_args(["serve", "--no-batch"]).batch
+    sizes = {"4096": 4096, " 2 GiB ": 2 << 30, "2GB": 2 * 10**9, "1.5GiB": 3 << 29, "500m": 500 * 10**6, "7b": 7}
+    for text, size in sizes.items():  # the grammar kamera store prune --max-bytes reads too
+        assert build_parser().parse_args(["serve", "--kv-budget", text]).kv_budget == size
     for bad, message in [
-        (["--kv-budget", "2GB"], "expected a whole number of bytes such as"),
-        (["--kv-budget", "1.5GiB"], "expected a whole number of bytes such as"),
-        (["--kv-budget", "\u00b2"], "expected a whole number of bytes such as"),
+        (["--kv-budget", "\u00b2"], "expected a size in bytes such as"),
+        (["--kv-budget", "2 PB"], "expected a size in bytes such as"),
+        (["--kv-budget", "1e9"], "expected a size in bytes such as"),
+        (["--kv-budget", "1.5"], "'1.5' is not a whole number of bytes"),
         (["--kv-budget", "0KiB"], "at least 1 byte"),
         (["--step-tokens", "0"], "must be at least 1"),
         (["--max-batch-rows", "x"], "expected a whole number, got 'x'"),
@@ -128,7 +130,8 @@ def test_serve_passes_them_on_and_refuses_them_without_batching(monkeypatch, cap
     assert main(["serve", "--kv-budget", "1GiB", "--step-tokens", "128"]) == 0
     (got,) = served
     assert got["engine"] is engine and got["batch"] is True
-    assert (got["kv_budget_bytes"], got["step_tokens"], got["max_batch_rows"]) == (1 << 30, 128, None)
+    assert (got["kv_budget_bytes"], got["step_tokens"]) == (1 << 30, 128)
+    assert "max_batch_rows" not in got  # not given: create_app's default
 
     engine.batchable = False  # a model that decodes one answer at a time (vision)
     assert main(["serve", "--max-batch-rows", "4"]) == 2
@@ -142,3 +145,27 @@ def test_serve_passes_them_on_and_refuses_them_without_batching(monkeypatch, cap
     assert main(["serve", "--no-batch", "--step-tokens", "8", "--kv-budget", "1KiB"]) == 2
     assert "--kv-budget, --step-tokens configure batching, which --no-batch turns off" in capsys.readouterr().err
     assert len(served) == 2
+
+
+def test_fleet_up_takes_the_batching_flags_and_refuses_a_contradiction_before_ray(monkeypatch, capsys) -> None:
+    import kamera_sdk.fleet_cli as fleet_cli
+
+    line = ["fleet", "up", "--store", "redis://127.0.0.1:1/0", "--kv-budget", "1GiB", "--max-batch-rows", "8"]
+    started: list[dict] = []
+    fake = SimpleNamespace(up=lambda args: started.append(args.app_options) or 0)
+    monkeypatch.setattr(fleet_cli, "import_module", lambda name: fake)
+    assert main(line) == 0
+    assert started == [{"batch": True, "kv_budget_bytes": 1 << 30, "max_batch_rows": 8}]
+    assert main(["fleet", "up", "--store", "redis://127.0.0.1:1/0", "--no-batch"]) == 0
+    assert started[-1] == {"batch": False}
+
+    def no_fleet(name: str) -> None:
+        raise AssertionError("Ray must not start for a refused command line")
+
+    monkeypatch.setattr(fleet_cli, "import_module", no_fleet)
+    assert main([*line, "--no-batch"]) == 2
+    said = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert "--kv-budget, --max-batch-rows configure batching, which --no-batch turns off" in said
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["fleet", "up", "--store", "redis://h/0", "--port", "70000"])
+    assert exc.value.code == 2 and "port must be in 0..65535" in capsys.readouterr().err

@@ -9,8 +9,8 @@ from types import ModuleType
 import pytest
 
 from kamera_sdk.cli import main
+from kamera_sdk.cli_args import byte_count
 from kamera_sdk.store import DiskBackend
-from kamera_sdk.store_cli import parse_bytes
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
@@ -62,8 +62,8 @@ def test_default_path_and_byte_sizes(
     DiskBackend(tmp_path / "store").close()
     rc, info = _run(capsys, "info")
     assert rc == 0 and info["path"] == str(tmp_path / "store") and info["entries"] == 0
-    assert [parse_bytes(s) for s in ("1000", "2k", "1.5M", "2G", "1GiB", "3mb")] == [
+    assert [byte_count(s) for s in ("1000", "2k", "1.5M", "2G", "1GiB", "3mb")] == [
         1000, 2000, 1_500_000, 2 * 10**9, 1 << 30, 3_000_000,
     ]  # fmt: skip
-    with pytest.raises(Exception, match="byte count"):
-        parse_bytes("lots")
+    with pytest.raises(Exception, match="expected a size in bytes"):
+        byte_count("lots")

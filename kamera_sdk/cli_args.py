@@ -1,0 +1,118 @@
+"""Argument types and option groups the ``kamera`` commands share.
+
+One grammar per kind of value, so that ``kamera store prune --max-bytes 2G`` and ``kamera serve
+--kv-budget 2G`` read a size the same way, and one set of batching flags, so that ``kamera serve`` and
+``kamera fleet up`` configure a server's scheduler alike and refuse the same contradictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from decimal import Decimal
+from typing import Any
+
+from kamera_engine.errors import InvalidInputError
+
+
+def whole(value: str) -> int:
+    """A whole number written in ASCII digits (``"12"``; not ``"1e3"``, ``"0x10"`` or ``"²"``)."""
+    if not re.fullmatch(r"\s*[0-9]+\s*", value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}")
+    return int(value)
+
+
+def positive(value: str) -> int:
+    """A whole number of at least 1."""
+    n = whole(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def port(value: str) -> int:
+    """A TCP port, 0 for a free one."""
+    n = whole(value)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {n}")
+    return n
+
+
+# k, M, G, T are powers of 1000; Ki, Mi, Gi, Ti powers of 1024; a trailing B is optional; any case
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SCALE |= {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgt]i?)b?|b)?\s*", flags=re.IGNORECASE)
+
+
+def byte_count(value: str) -> int:
+    """A size in bytes: ``"500000"``, ``"500M"``, ``"2G"``, ``"1.5GiB"``, ``"512 MiB"``; it must come to a
+    whole number of bytes (``"1.5"`` does not)."""
+    found = _SIZE.fullmatch(value)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 500000, 500M, 2G or 1.5GiB, got {value!r}")
+    size = Decimal(found.group(1)) * _SCALE[(found.group(2) or "").lower()]
+    if size != size.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of bytes ({size})")
+    return int(size)
+
+
+def nonzero_byte_count(value: str) -> int:
+    """A size in bytes (``byte_count``) of at least 1."""
+    n = byte_count(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
+    return n
+
+
+#: the batching flags -> ``create_app``'s keyword for each
+_BATCHING = {"kv_budget": "kv_budget_bytes", "step_tokens": "step_tokens", "max_batch_rows": "max_batch_rows"}
+
+
+def add_batching_flags(parser: argparse.ArgumentParser) -> None:
+    """``--no-batch``, ``--kv-budget``, ``--step-tokens`` and ``--max-batch-rows`` (read them back with
+    ``batching_options``)."""
+    parser.add_argument(
+        "--no-batch",
+        dest="batch",
+        action="store_false",
+        help="one answer at a time on one worker thread instead of every session's work in shared batched steps",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=nonzero_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="KV the answers being decoded may hold (e.g. 2GiB); past it new answers wait, then get 429 with "
+        "Retry-After (default: no limit)",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="most tokens one batched step runs; longer prompts are prefilled in chunks (default: 512)",
+    )
+    parser.add_argument(
+        "--max-batch-rows",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="most rows (answers and window forwards) in one batched step (default: 64)",
+    )
+
+
+def batching_flags_given(args: argparse.Namespace) -> list[str]:
+    """The scheduler flags on the command line (``--kv-budget`` ...), in the order ``--help`` lists them."""
+    return ["--" + name.replace("_", "-") for name in _BATCHING if getattr(args, name) is not None]
+
+
+def batching_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_app``'s ``batch`` and the scheduler options given (those left out keep its defaults).
+    InvalidInputError when ``--no-batch`` comes with a scheduler flag: nothing would use it."""
+    given = batching_flags_given(args)
+    if not args.batch and given:
+        verb = "configures" if len(given) == 1 else "configure"
+        raise InvalidInputError(f"{', '.join(given)} {verb} batching, which --no-batch turns off")
+    options: dict[str, Any] = {"batch": args.batch}
+    options |= {key: getattr(args, name) for name, key in _BATCHING.items() if getattr(args, name) is not None}
+    return options
