@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from contextlib import ExitStack
 from typing import Any
 
 import kamera_engine  # noqa: F401  (before torch: the engine sets OpenMP's wait policy as torch loads)
@@ -286,49 +285,36 @@ def _step_kind(step: StepRecord) -> str:
 
 def steps(engine: Engine, runs: int, budgets: list[int]) -> dict[str, Any]:
     log: list[StepRecord] = []
-    init, budget, observing = Scheduler.__init__, [budgets[0]], ExitStack()
-
-    def observed(self: Scheduler, *args: Any, **kwargs: Any) -> None:
-        """The server's scheduler with this run's ``step_tokens``, its steps logged (``Scheduler.observe``)."""
-        init(self, *args, **{"step_tokens": budget[0], **kwargs})
-        observing.enter_context(self.observe(log.append))
-
-    Scheduler.__init__ = observed  # type: ignore[method-assign]
     out: dict[str, list[dict[str, Any]]] = {str(b): [] for b in budgets}
-    try:
-        for i in range(runs):
-            for b in budgets if i % 2 == 0 else budgets[::-1]:
-                budget[0] = b
-                log.clear()
-                with observing:
-                    r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
-                if not any(s.decode_rows >= 4 or s.window_forwards >= 2 for s in log):
-                    raise RuntimeError(f"no wide step in a run of {len(log)} steps: is the server batching?")
-                start, end = min(s.ended - s.seconds for s in log), max(s.ended for s in log)
-                wide = max(s.ended - s.seconds for s in log if s.decode_rows >= 4 or s.window_forwards >= 2)
-                tail = [s for s in log if s.ended - s.seconds > wide]
-                kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-                for s in log:
-                    k = kinds[_step_kind(s)]
-                    k[0] += 1
-                    k[1] += s.seconds
-                in_steps = sum(s.seconds for s in log)
-                out[str(b)].append(
-                    {
-                        "tokens_per_s": r["tokens_per_s"],
-                        "elapsed_s": r["elapsed_s"],
-                        "steps": len(log),
-                        "in_steps_s": in_steps,
-                        "between_steps_s": end - start - in_steps,
-                        "by_kind": {k: {"steps": n, "s": s} for k, (n, s) in sorted(kinds.items())},
-                        "tail_s": end - wide,
-                        "tail_steps": len(tail),
-                        "tail_decode_tokens": sum(s.decode_rows for s in tail),
-                    }
-                )
-                print(b, json.dumps(out[str(b)][-1]), file=sys.stderr, flush=True)
-    finally:
-        Scheduler.__init__ = init  # type: ignore[method-assign]
+    for i in range(runs):
+        for b in budgets if i % 2 == 0 else budgets[::-1]:
+            log.clear()
+            r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW, app_options={"step_tokens": b}, observer=log.append)
+            if not any(s.decode_rows >= 4 or s.window_forwards >= 2 for s in log):
+                raise RuntimeError(f"no wide step in a run of {len(log)} steps: is the server batching?")
+            start, end = min(s.ended - s.seconds for s in log), max(s.ended for s in log)
+            wide = max(s.ended - s.seconds for s in log if s.decode_rows >= 4 or s.window_forwards >= 2)
+            tail = [s for s in log if s.ended - s.seconds > wide]
+            kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+            for s in log:
+                k = kinds[_step_kind(s)]
+                k[0] += 1
+                k[1] += s.seconds
+            in_steps = sum(s.seconds for s in log)
+            out[str(b)].append(
+                {
+                    "tokens_per_s": r["tokens_per_s"],
+                    "elapsed_s": r["elapsed_s"],
+                    "steps": len(log),
+                    "in_steps_s": in_steps,
+                    "between_steps_s": end - start - in_steps,
+                    "by_kind": {k: {"steps": n, "s": s} for k, (n, s) in sorted(kinds.items())},
+                    "tail_s": end - wide,
+                    "tail_steps": len(tail),
+                    "tail_decode_tokens": sum(s.decode_rows for s in tail),
+                }
+            )
+            print(b, json.dumps(out[str(b)][-1]), file=sys.stderr, flush=True)
     return {
         "runs": out,
         "median_tokens_per_s": {b: statistics.median(r["tokens_per_s"] for r in rs) for b, rs in out.items()},

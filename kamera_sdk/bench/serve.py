@@ -29,14 +29,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import httpx
 
 from kamera_engine import KV, Engine, InvalidInputError
+from kamera_engine.scheduler import StepRecord
 
 from ..server.loadgen import run_together
+from .machine import machine
 from .metrics import timed
 
 _WORDS = "river stone lamp orchard violin harbor ledger copper meadow lantern".split()
@@ -48,12 +50,12 @@ def _page(session: int, step: int) -> str:
 
 
 @contextmanager
-def _served(engine: Engine, batch: bool) -> Iterator[tuple[str, Any]]:
+def _served(engine: Engine, batch: bool, app_options: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     import uvicorn
 
     from ..server import create_app
 
-    app = create_app(engine, batch=batch, max_sessions=1024, session_ttl_s=None)
+    app = create_app(engine, batch=batch, max_sessions=1024, session_ttl_s=None, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -328,15 +330,29 @@ def arm_name(batch: bool) -> str:
     return "batched" if batch else "sequential"
 
 
-def arm(engine: Engine, sessions: int, batch: bool, rounds: int, max_new_tokens: int) -> dict[str, Any]:
+def arm(
+    engine: Engine,
+    sessions: int,
+    batch: bool,
+    rounds: int,
+    max_new_tokens: int,
+    *,
+    app_options: dict[str, Any] | None = None,
+    observer: Callable[[StepRecord], None] | None = None,
+) -> dict[str, Any]:
     """One arm: ``sessions`` concurrent sessions' loop (``rounds`` of add a page, ask with answers of at most
-    ``max_new_tokens``, slide) against a fresh server on loopback, batched or one at a time; its figures."""
+    ``max_new_tokens``, slide) against a fresh server on loopback, batched or one at a time; its figures.
+    ``app_options``: more ``create_app`` keywords (``step_tokens``, ...); ``observer``: called with each of the
+    batched server's steps while the sessions run (``Scheduler.observe``)."""
     print(f"serve: {sessions} sessions, {arm_name(batch)}", file=sys.stderr)
-    with _served(engine, batch) as (url, app):
-        figures = _load(url, sessions, rounds, max_new_tokens)
+    with _served(engine, batch, app_options or {}) as (url, app):
+        sched = app.state.kamera.scheduler
+        if observer is not None and sched is None:
+            raise InvalidInputError("an observer watches a batched server's steps; this arm runs one at a time")
+        with sched.observe(observer) if observer is not None else nullcontext():
+            figures = _load(url, sessions, rounds, max_new_tokens)
         figures["peak_rss_bytes"] = _peak_rss_bytes()
         figures["load_avg_1m"] = os.getloadavg()[0]
-        sched = app.state.kamera.scheduler
         if sched is not None:
             s = sched.stats()
             figures["batch_mean"] = s.batch_mean
@@ -349,6 +365,7 @@ def arm(engine: Engine, sessions: int, batch: bool, rounds: int, max_new_tokens:
             figures["follow_ons"] = s.follow_ons  # answers queued by their prompt's forward's step
             figures["kv_bytes_peak"] = s.kv_bytes_peak
             figures["queue_wait_s_max"] = s.queue_wait_s_max
+            figures["step_tokens"], figures["max_batch_rows"] = s.step_tokens, s.max_rows  # what it ran under
     return figures
 
 
@@ -370,6 +387,7 @@ def run(
     # rounds: from the fourth on, every ask follows a slide (the loop's steady state: three pages held)
     rounds, max_new = (4, 32) if quick else (6, 48)
     load_before = os.getloadavg()
+    host = machine()
     sessions: dict[str, dict[str, Any]] = {}
     ratio: dict[str, float] = {}
     runs: dict[str, list[dict[str, float]]] = {}
@@ -409,6 +427,7 @@ def run(
         "load_avg_before": list(load_before),
         "load_avg_after": list(os.getloadavg()),
         "cpu_count": os.cpu_count(),
+        "machine": host,  # the CPU and its vector instructions: the ratio depends on them
         "model": engine.name,
         "device": str(engine.device),
     }

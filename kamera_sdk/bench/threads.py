@@ -22,6 +22,8 @@ from typing import Any
 
 from kamera_engine.threads import available_cpus
 
+from .machine import machine
+
 _CLEAR = ("OMP_NUM_THREADS", "KAMERA_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "MKL_NUM_THREADS")
 _SPIN = "while True:\n    pass\n"
 
@@ -82,7 +84,7 @@ def measure(*, quick: bool = False, repeat: int = 1, model: str | None = None, t
         + ("8" if quick else "16")
         + " tokens)",
         "cpus": cpus,
-        "machine": _machine(),
+        "machine": machine(),
         "repeat": repeat,
         "conditions": {},
     }
@@ -100,20 +102,6 @@ def measure(*, quick: bool = False, repeat: int = 1, model: str | None = None, t
         result["conditions"][condition] = _summarise(runs)
     result["loadavg_at_end"] = os.getloadavg()
     return result
-
-
-def _machine() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpus": available_cpus(), "torch": torch.__version__, "loadavg_at_start": os.getloadavg()}
 
 
 def _summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

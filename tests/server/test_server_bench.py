@@ -25,6 +25,8 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
         assert abs(result["throughput_ratio"][n] - ratio) < 1e-9
     assert result["sessions"]["3"]["batched"]["batch_max"] >= 2
     assert result["repeat"] == 1
+    assert result["machine"]["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "ZVECTOR")
+    assert result["machine"]["cpus"] >= 1 and result["machine"]["cpu"]
     assert [r["throughput_ratio"] for r in result["runs"]["3"]] == [result["throughput_ratio"]["3"]]
     ceiling = result["ceiling"]
     assert set(ceiling["decode_step_s"]) == {"1", "8", "32"} and ceiling["decode_speedup"]["1"] == 1.0
@@ -46,6 +48,20 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
     assert path.stat().st_size > 0
 
 
+def test_an_arm_takes_create_app_options_and_reports_its_steps() -> None:
+    """``arm(..., app_options=..., observer=...)``: the server's scheduler runs under the options given and
+    every step reaches the observer (a 16-token step: answers' prompts are prefilled in chunks of at most 16)."""
+    engine = tiny_chat_engine()
+    log: list = []
+    figures = serve.arm(engine, 2, True, 2, 4, app_options={"step_tokens": 16}, observer=log.append)
+    assert figures["errors"] == [] and figures["answers"] == 4 and figures["tokens"] > 0
+    assert (figures["step_tokens"], figures["max_batch_rows"]) == (16, 64)
+    assert sum(s.decode_rows for s in log) > 0 and sum(s.window_tokens for s in log) > 4 * 16
+    assert max(s.prompt_tokens for s in log) == 16  # chunks (a prompt of the default step would run whole)
+    with pytest.raises(InvalidInputError, match="one at a time"):
+        serve.arm(engine, 1, False, 1, 2, observer=log.append)
+
+
 def test_bench_serve_repeat_reports_the_median_pair_and_alternates_the_arms(monkeypatch) -> None:
     """``--repeat``: each count's arms run that many times, the first arm alternating; the pair with the median
     ratio is the one reported (its arms and ratio together), every pair under ``runs``."""
@@ -53,7 +69,7 @@ def test_bench_serve_repeat_reports_the_median_pair_and_alternates_the_arms(monk
     calls: list[str] = []
     current: dict[str, float] = {}
 
-    def arm(engine, n, batch, rounds, max_new):
+    def arm(engine, n, batch, rounds, max_new):  # the run passes no options
         mode = serve.arm_name(batch)
         if not current:
             current.update(zip(("batched", "sequential"), next(speeds), strict=True))
