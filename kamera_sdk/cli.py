@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .cli_args import add_batching_flags, batching_flags_given, batching_options, port
+from .cli_args import add_batching_flags, batching_flags_given, batching_options, batching_refused, port
 from .console import err, print_result
 from .fleet_cli import add_fleet_command
 from .store_cli import add_store_command
@@ -109,7 +109,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kamera_engine import InvalidInputError
 
     from .server.cli import serve
 
@@ -117,9 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = _engine(args)
     given = batching_flags_given(args)
     if given and not engine.batchable:
-        why = f"{type(engine).__name__} decodes one answer at a time"
-        verb = "configures" if len(given) == 1 else "configure"
-        raise InvalidInputError(f"{', '.join(given)} {verb} batching, which this model does not do ({why})")
+        raise batching_refused(given, f"this model does not do ({type(engine).__name__} decodes one answer at a time)")
     return serve(engine, host=args.host, port=args.port, api_key=args.api_key, store=args.store, **options)
 
 

@@ -106,13 +106,19 @@ def batching_flags_given(args: argparse.Namespace) -> list[str]:
     return ["--" + name.replace("_", "-") for name in _BATCHING if getattr(args, name) is not None]
 
 
+def batching_refused(given: list[str], why: str) -> InvalidInputError:
+    """The error for scheduler flags that nothing would use: ``given`` flags, ``why`` (``"--no-batch turns
+    off"``, ``"this model does not do (...)"``)."""
+    verb = "configures" if len(given) == 1 else "configure"
+    return InvalidInputError(f"{', '.join(given)} {verb} batching, which {why}")
+
+
 def batching_options(args: argparse.Namespace) -> dict[str, Any]:
     """``create_app``'s ``batch`` and the scheduler options given (those left out keep its defaults).
     InvalidInputError when ``--no-batch`` comes with a scheduler flag: nothing would use it."""
     given = batching_flags_given(args)
     if not args.batch and given:
-        verb = "configures" if len(given) == 1 else "configure"
-        raise InvalidInputError(f"{', '.join(given)} {verb} batching, which --no-batch turns off")
+        raise batching_refused(given, "--no-batch turns off")
     options: dict[str, Any] = {"batch": args.batch}
     options |= {key: getattr(args, name) for name, key in _BATCHING.items() if getattr(args, name) is not None}
     return options
