@@ -109,7 +109,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-
     from .server.cli import serve
 
     options = batching_options(args)  # a contradiction is refused before the model loads

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from kamera_engine.errors import InvalidInputError
@@ -41,7 +41,7 @@ def port(value: str) -> int:
 # k, M, G, T are powers of 1000; Ki, Mi, Gi, Ti powers of 1024; a trailing B is optional; any case
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _SCALE |= {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgt]i?)b?|b)?\s*", flags=re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgt]i?)b?|b)?\s*", flags=re.IGNORECASE | re.ASCII)
 
 
 def byte_count(value: str) -> int:
@@ -50,9 +50,9 @@ def byte_count(value: str) -> int:
     found = _SIZE.fullmatch(value)
     if found is None:
         raise argparse.ArgumentTypeError(f"expected a size in bytes such as 500000, 500M, 2G or 1.5GiB, got {value!r}")
-    size = Decimal(found.group(1)) * _SCALE[(found.group(2) or "").lower()]
-    if size != size.to_integral_value():
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of bytes ({size})")
+    size = Fraction(found.group(1)) * _SCALE[(found.group(2) or "").lower()]  # exact, however many digits
+    if size.denominator != 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of bytes")
     return int(size)
 
 

@@ -6,7 +6,7 @@ import argparse
 from importlib import import_module
 from typing import Any
 
-from .cli_args import add_batching_flags, batching_options, port
+from .cli_args import add_batching_flags, batching_options, port, positive
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -28,11 +28,11 @@ def add_fleet_command(sub: Any) -> None:
     up = actions.add_parser("up", help="start the fleet on a local Ray cluster, or attach with --address")
     up.add_argument("--store", required=True, help="the shared Redis: redis://host:6379/0 (store and journal)")
     up.add_argument("--address", default=None, help="a running Ray cluster (ray://head:10001 or auto)")
-    up.add_argument("--replicas", type=int, default=1, help="fixed replica count (default: %(default)s)")
-    up.add_argument("--min-replicas", type=int, default=None, help="autoscaling lower bound")
-    up.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound")
+    up.add_argument("--replicas", type=positive, default=1, help="fixed replica count (default: %(default)s)")
+    up.add_argument("--min-replicas", type=positive, default=None, help="autoscaling lower bound")
+    up.add_argument("--max-replicas", type=positive, default=None, help="autoscaling upper bound")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
-    up.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster started here")
+    up.add_argument("--num-cpus", type=positive, default=None, help="CPUs of a local cluster started here")
     up.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: %(default)s)")
     up.add_argument("--port", type=port, default=8000, help="HTTP port (default: %(default)s)")
     up.add_argument("--secret", default=None, help="store entries' HMAC secret (default: $KAMERA_FLEET_SECRET)")

@@ -10,6 +10,9 @@ from functools import partial
 
 from kamera_sdk import Engine, KameraError
 
+#: the Serve application ``kamera fleet up`` deploys
+APP = "kamera"
+
 
 def start(args: argparse.Namespace) -> str:
     """Start (or attach to) Ray, deploy the fleet and return its HTTP address once every replica is ready."""
@@ -34,24 +37,37 @@ def start(args: argparse.Namespace) -> str:
         replica_cpus=args.replica_cpus,
         app_options=args.app_options,  # batching, the KV budget and step sizes (kamera fleet up's flags)
     )
-    serve.run(build_app(config), route_prefix="/", name="kamera")
+    serve.run(build_app(config), route_prefix="/", name=APP)
     return f"http://{args.host}:{args.port}"
 
 
-def failed_deployment_error() -> str | None:
-    """The last line of the error a failed deployment's replica raised (``serve.status()``), if any."""
+def failed_deployment_error(app: str = APP) -> str | None:
+    """The last line of the error that made a deployment of the Serve application ``app`` fail (a replica's
+    constructor raised; ``serve.status()``), if any."""
     from ray import serve
 
     try:
-        status = serve.status()
+        status = serve.status().applications.get(app)
     except Exception:  # no controller to ask: the caller reports what it has
         return None
-    for app in status.applications.values():
-        for deployment in app.deployments.values():
-            lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
-            if deployment.status == "DEPLOY_FAILED" and lines:
-                return lines[-1]
+    for deployment in status.deployments.values() if status is not None else ():
+        lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
+        if deployment.status == "DEPLOY_FAILED" and lines:
+            return lines[-1]
     return None
+
+
+def _stop(args: argparse.Namespace) -> None:
+    """Take the fleet down: on a cluster it attached to (``--address``) only its application, which may share
+    Serve with others; on the local cluster it started, Serve and Ray."""
+    import ray
+    from ray import serve
+
+    if args.address:
+        serve.delete(APP)
+    else:
+        serve.shutdown()
+    ray.shutdown()
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -63,24 +79,21 @@ def up(args: argparse.Namespace) -> int:
     down. The handlers are installed here: a process started in the background by a shell inherits SIGINT
     ignored, and Python then never turns it into ``KeyboardInterrupt``."""
     import ray
-    from ray import serve
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         url = start(args)
-    except Exception as exc:  # a replica that cannot start (its constructor raised) fails the deployment
+    except (RuntimeError, ConnectionError, KameraError) as exc:  # a replica that cannot start fails the deployment
         why = str(exc)
         if ray.is_initialized():  # (asking serve.status() without Ray would start it)
             why = failed_deployment_error() or why
-            serve.shutdown()
-            ray.shutdown()
+            _stop(args)
         raise KameraError(f"the fleet did not start: {why}") from exc
     print(f"kamera fleet serving on {url} (Ctrl-C stops it)", flush=True)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
-        ray.shutdown()
+        _stop(args)
     return 0

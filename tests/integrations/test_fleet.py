@@ -323,7 +323,7 @@ def test_a_replica_that_refuses_its_options_fails_the_deployment_with_its_error(
     try:
         with pytest.raises(RuntimeError, match="Deploying application kamera-refused failed"):
             serve.run(build_app(cfg), route_prefix="/refused", name="kamera-refused")
-        why = failed_deployment_error()
+        why = failed_deployment_error("kamera-refused")
         assert why is not None and "InvalidInputError" in why
         assert "step_tokens configures the batching scheduler, which this server does not run (batch=False)" in why
     finally:

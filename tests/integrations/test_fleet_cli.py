@@ -83,3 +83,25 @@ def test_fleet_up_serves_and_stops(tmp_path: Path, redis_url: str) -> None:
             proc.kill()
             proc.wait(timeout=30)
         log.close()
+
+
+def test_fleet_up_takes_down_only_its_application_on_a_cluster_it_attached_to(monkeypatch) -> None:
+    """Attached (``--address``), stopping or failing to start deletes the fleet's own application and
+    disconnects: other applications on that cluster's Serve keep running. On the local cluster it started,
+    Serve shuts down with it."""
+    import argparse
+
+    import ray
+    from ray import serve
+
+    from kamera_fleet import cli
+
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(serve, "delete", lambda name, *a, **k: calls.append(("serve.delete", name)))
+    monkeypatch.setattr(serve, "shutdown", lambda *a, **k: calls.append(("serve.shutdown",)))
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: calls.append(("ray.shutdown",)))
+    cli._stop(argparse.Namespace(address="auto"))
+    assert calls == [("serve.delete", cli.APP), ("ray.shutdown",)]
+    calls.clear()
+    cli._stop(argparse.Namespace(address=None))
+    assert calls == [("serve.shutdown",), ("ray.shutdown",)]

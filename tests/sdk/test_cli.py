@@ -109,6 +109,8 @@ def test_serve_takes_the_batching_options(capsys) -> None:
         (["--kv-budget", "2 PB"], "expected a size in bytes such as"),
         (["--kv-budget", "1e9"], "expected a size in bytes such as"),
         (["--kv-budget", "1.5"], "'1.5' is not a whole number of bytes"),
+        (["--kv-budget", "1.0000000000000000000000000001"], "is not a whole number of bytes"),  # exact, not rounded
+        (["--kv-budget", "1k\u0131"], "expected a size in bytes such as"),  # ASCII units only
         (["--kv-budget", "0KiB"], "at least 1 byte"),
         (["--step-tokens", "0"], "must be at least 1"),
         (["--max-batch-rows", "x"], "expected a whole number, got 'x'"),
@@ -166,6 +168,7 @@ def test_fleet_up_takes_the_batching_flags_and_refuses_a_contradiction_before_ra
     assert main([*line, "--no-batch"]) == 2
     said = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     assert "--kv-budget, --max-batch-rows configure batching, which --no-batch turns off" in said
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["fleet", "up", "--store", "redis://h/0", "--port", "70000"])
-    assert exc.value.code == 2 and "port must be in 0..65535" in capsys.readouterr().err
+    for bad, message in [(["--port", "70000"], "port must be in 0..65535"), (["--replicas", "0"], "at least 1")]:
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["fleet", "up", "--store", "redis://h/0", *bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
