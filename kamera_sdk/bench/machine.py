@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 from typing import Any
 
@@ -12,7 +11,7 @@ from kamera_engine.threads import available_cpus
 
 def machine() -> dict[str, Any]:
     """The CPU's model name, the vector instructions torch's kernels use on it (``AVX512``, ``AVX2``, ...),
-    the CPUs this process may run on, the torch version and the load average when asked."""
+    the CPUs this process may run on and the torch version."""
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -26,5 +25,4 @@ def machine() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpus": available_cpus(),
         "torch": torch.__version__,
-        "loadavg_at_start": os.getloadavg(),
     }

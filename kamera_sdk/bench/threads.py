@@ -84,7 +84,7 @@ def measure(*, quick: bool = False, repeat: int = 1, model: str | None = None, t
         + ("8" if quick else "16")
         + " tokens)",
         "cpus": cpus,
-        "machine": machine(),
+        "machine": {**machine(), "loadavg_at_start": os.getloadavg()},
         "repeat": repeat,
         "conditions": {},
     }
