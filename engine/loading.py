@@ -167,7 +167,7 @@ def locate(model: str | Path | None) -> ModelSource:
     from huggingface_hub.errors import HFValidationError
 
     try:
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+        cached_config = try_to_load_from_cache(name, "config.json")
     except HFValidationError as exc:
         raise ModelLoadError(
             f"{name!r} is neither an existing local path nor a Hugging Face model id (owner/name): {exc}"
@@ -175,8 +175,11 @@ def locate(model: str | Path | None) -> ModelSource:
     reason = hub_unreachable()
     if reason is None:
         return ModelSource(name, name, offline=False)
-    if cached:
-        return ModelSource(name, name, offline=True)
+    if isinstance(cached_config, str):
+        # the cached snapshot's directory, not the id: from_pretrained of an id consults the hub even with
+        # local_files_only (the PEFT adapter lookup, the client's agent registry), which with no network can
+        # wait through rounds of retries; a directory is read from disk alone
+        return ModelSource(name, str(Path(cached_config).parent), offline=True)
     raise ModelLoadError(
         f"cannot load {name!r}: it is not a local path, it is not in the Hugging Face cache "
         f"({constants.HF_HUB_CACHE}), and the hub cannot be reached ({reason}). Point at a local copy: "

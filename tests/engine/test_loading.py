@@ -4,6 +4,7 @@ a cached hub id loads with no network, and the family registry picks the engine 
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -60,7 +61,10 @@ def test_an_uncached_id_fails_at_once_when_the_hub_refuses_connections(monkeypat
 
 
 def test_a_cached_id_loads_with_no_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An id in the local cache loads from it when the hub cannot be reached (no retries, no download)."""
+    """An id in the local cache loads from its snapshot directory when the hub cannot be reached: not one
+    connection is tried (from_pretrained of the id would still ask the hub for a PEFT adapter config and the
+    client's agent registry, and where name lookups fail slowly, as on a machine whose DNS answers "try again",
+    wait through rounds of retries)."""
     repo, commit = "kamera-tests/tiny-llama", "0" * 40
     cache = tmp_path / "hub"
     snapshot = cache / "models--kamera-tests--tiny-llama" / "snapshots" / commit
@@ -70,10 +74,18 @@ def test_a_cached_id_loads_with_no_network(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = locate(repo)
-    assert source.offline and source.path == repo
+    assert source.offline and source.name == repo and Path(source.path) == snapshot
+    tried: list[object] = []
+
+    def no_network(host: object, *args: object, **kwargs: object) -> object:
+        tried.append(host)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
     t0 = time.perf_counter()
     engine = Engine.load(repo, device="cpu")
     assert time.perf_counter() - t0 < 2.0
+    assert tried == []
     assert type(engine) is Engine and engine.name == repo and engine.num_layers == 2
 
 
