@@ -62,7 +62,7 @@ def request_log_likelihood(engine: Engine, turn: Turn, tool: ToolSpec, request: 
     with torch.inference_mode(), alone():
         logits = engine.forward([*system, *user], past, start, logits="all").logits
     lp = torch.log_softmax(logits[len(system) - 1 : len(system) + len(user) - 1].float(), dim=-1)
-    return float(lp.gather(1, torch.tensor(user).unsqueeze(1)).mean())
+    return float(lp.gather(1, torch.tensor(user, device=lp.device).unsqueeze(1)).mean())
 
 
 def tool_relevance(engine: Engine, turn: Turn, request: str, tools: Sequence[ToolSpec]) -> dict[str, float]:

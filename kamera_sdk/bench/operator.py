@@ -48,11 +48,11 @@ def relocation_error(engine: Engine, ids: list[int]) -> dict[str, Any]:
         placed = engine.relocate(can, positions)
         for layer, k in enumerate(pre):
             ref = reference_rotate(engine.model, engine.adapter, k[..., -len(ids) :, :], positions)[0].transpose(0, 1)
-            worst = max(worst, (placed.keys[layer] - ref).abs().max().item())
+            worst = max(worst, (placed.keys[layer] - ref.to(placed.keys.device)).abs().max().item())
         if limit is not None and target + len(ids) > limit:
             continue  # relocation is exact anywhere; a re-prefill there would run past the model's context
         shifted = engine.forward(engine.anchor_ids + ids, None, target - a, logits="none").kv.slice(a, a + len(ids))
-        drift = max(drift, (shifted.values - can.values).abs().max().item())
+        drift = max(drift, (shifted.values.to(can.values.device) - can.values).abs().max().item())
         drift_targets.append(target)
     return {
         "relocation_max_abs_err": worst,
