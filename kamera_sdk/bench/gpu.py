@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kamera_engine import KV, Engine, InvalidInputError, Patch, RopeSpec, apply_patch
+from kamera_engine import KV, Engine, InvalidInputError, KameraError, Patch, RopeSpec, apply_patch
 
 from ..console import err
 from . import operator, window
@@ -83,7 +84,10 @@ def _double(p: Patch) -> Patch:
     return Patch(*(t.double() for t in _factors(p)), p.layers)
 
 
-def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
+def run(engine: Engine, *, quick: bool = False, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+    """The suite, its file rewritten after every section: a run cut short (a GPU lent by the minute) keeps
+    what finished. A section that raises is recorded under ``failed`` and the others still run; the run then
+    raises ``BenchSectionError`` naming them (the file holds the rest)."""
     preflight()
     if engine.device.type != "cuda":
         raise InvalidInputError(f"kamera bench gpu runs on CUDA; the engine is on {engine.device} (drop --device cpu)")
@@ -92,25 +96,56 @@ def run(engine: Engine, *, quick: bool = False) -> dict[str, Any]:
 
     name = torch.cuda.get_device_name(engine.device)
     started = time.time()
+    path = results_dir / f"gpu-{device_slug(name)}.json"
     result: dict[str, Any] = {
         "device_name": name,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu_kernels": dispatch.status(engine.device),
-        "kernels": kernel_check(engine.device),
+        "quick": quick,
+        "failed": {},
     }
     err.print(f"[bold]gpu[/] suite on {name}")
-    result["operator"] = operator.run(engine, quick=quick)
-    result["window"] = window.run(engine, quick=quick)
-    result["shapes"] = {}
-    for shape in SHAPES:
-        big = random_engine(shape, 4 if quick else None, device=engine.device, dtype=engine.dtype)
-        result["shapes"][shape] = operator.run_shape(big, shape, quick=quick)
-        del big
-        torch.cuda.empty_cache()
-    result["wall_s"] = time.time() - started
-    path = RESULTS_DIR / f"gpu-{device_slug(name)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+
+    def shape(name: str) -> dict[str, Any]:
+        big = random_engine(name, 4 if quick else None, device=engine.device, dtype=engine.dtype)
+        try:
+            return operator.run_shape(big, name, quick=quick)
+        finally:
+            del big
+            torch.cuda.empty_cache()
+
+    sections: list[tuple[tuple[str, ...], Callable[[], Any]]] = [
+        (("kernels",), lambda: kernel_check(engine.device)),
+        (("operator",), lambda: operator.run(engine, quick=quick)),
+        (("window",), lambda: window.run(engine, quick=quick)),
+    ]
+    sections += [(("shapes", s), (lambda s=s: shape(s))) for s in SHAPES]
+    for where, section in sections:
+        label = "/".join(where)
+        try:
+            value = section()
+        except Exception as exc:  # recorded; the rest still runs, and the run fails at the end
+            result["failed"][label] = f"{type(exc).__name__}: {exc}"
+            err.print(f"[red]gpu suite: {label} failed[/]: {type(exc).__name__}: {exc}")
+        else:
+            slot = result
+            for key in where[:-1]:
+                slot = slot.setdefault(key, {})
+            slot[where[-1]] = value
+        result["wall_s"] = time.time() - started
+        _write(path, result)
     result["written_to"] = str(path)
+    if result["failed"]:
+        raise KameraError(
+            f"kamera bench gpu: {len(result['failed'])} section(s) failed ({', '.join(result['failed'])}); "
+            f"the others are in {path}"
+        )
     return result
+
+
+def _write(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kamera_engine import InvalidInputError
+from kamera_engine import InvalidInputError, KameraError
 from kamera_engine.kernels import dispatch
 from kamera_engine.shapes import random_engine, shape_config, shapes
 from kamera_sdk.bench import gpu
@@ -49,6 +49,55 @@ def test_bench_gpu_refuses_without_cuda_before_loading(monkeypatch: pytest.Monke
     assert main(["bench", "gpu", "--model", "/nonexistent/model"]) == 2  # the refusal, not a load error
     assert "needs a CUDA device" in capsys.readouterr().err
     assert gpu.device_slug("NVIDIA H200") == "nvidia-h200"
+
+
+def test_bench_gpu_keeps_each_section_and_names_the_ones_that_failed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The suite's bookkeeping, without a GPU: the sections stand in for the measurements (which need CUDA).
+    Its file is rewritten after every section, a failing section is recorded and the rest still run, and the
+    run ends in an error naming it; a run stopped part way keeps what finished."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(dispatch, "status", lambda device=None: "triton (test)")
+    engine = type("E", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+    path = tmp_path / "gpu-test-gpu.json"
+    seen: list[str] = []
+
+    def section(name: str, value: object):
+        def run(*args: object, **kwargs: object) -> object:
+            seen.append(name)
+            if name == "operator":
+                raise RuntimeError("Expected all tensors to be on the same device")
+            if name == "window":
+                assert json.loads(path.read_text())["kernels"] == {"half": 0.0}  # written before the next section
+            return value
+
+        return run
+
+    monkeypatch.setattr(gpu, "kernel_check", section("kernels", {"half": 0.0}))
+    monkeypatch.setattr(gpu.operator, "run", section("operator", {}))
+    monkeypatch.setattr(gpu.window, "run", section("window", {"ttft": 1.0}))
+    monkeypatch.setattr(gpu.operator, "run_shape", lambda big, shape, quick: {"shape": shape})
+    monkeypatch.setattr("kamera_engine.shapes.random_engine", lambda *a, **k: object())
+    failed = r"1 section\(s\) failed \(operator\); the others are in .*gpu-test-gpu\.json"
+    with pytest.raises(KameraError, match=failed):
+        gpu.run(engine, quick=True, results_dir=tmp_path)  # type: ignore[arg-type]
+    assert seen == ["kernels", "operator", "window"]
+    kept = json.loads(path.read_text())
+    assert kept["failed"] == {"operator": "RuntimeError: Expected all tensors to be on the same device"}
+    assert "operator" not in kept and kept["window"] == {"ttft": 1.0} and kept["quick"] is True
+    assert kept["shapes"] == {s: {"shape": s} for s in gpu.SHAPES}
+
+    def stopped(*args: object, **kwargs: object) -> object:
+        raise KeyboardInterrupt  # the lease ends: not a section's failure, and nothing after it runs
+
+    monkeypatch.setattr(gpu.window, "run", stopped)
+    monkeypatch.setattr(gpu.operator, "run", section("operator-ok", {"relocation_max_abs_err": 0.0}))
+    with pytest.raises(KeyboardInterrupt):
+        gpu.run(engine, quick=True, results_dir=tmp_path)  # type: ignore[arg-type]
+    kept = json.loads(path.read_text())
+    assert kept["failed"] == {} and kept["operator"] == {"relocation_max_abs_err": 0.0}
+    assert "window" not in kept and "shapes" not in kept
 
 
 def test_shape_flag_only_with_the_operator_bench(capsys) -> None:
