@@ -27,7 +27,8 @@ import torch
 from kamera_engine import Engine
 from kamera_sdk.bench.serve import arm
 
-_OURS = ("/engine/", "/kamera_sdk/")
+# the source tree's engine/ or an installed kamera_engine/ (a wheel, as carried to a GPU machine)
+_OURS = ("/engine/", "/kamera_engine/", "/kamera_sdk/")
 
 
 def _site() -> str:
