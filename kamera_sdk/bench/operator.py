@@ -203,8 +203,9 @@ def reorder_arms(engine: Engine, probes: list[Probe], rank: int = 32) -> dict[st
             ref = e.next_token_logprobs(full, q, len(full))
 
             def lp(kv_b: KV, head: KV = head, q: list[int] = q) -> torch.Tensor:
-                past = KV.cat([head, kv_b])
-                return e.next_token_logprobs(past, q, len(past))
+                # parts in order: the forward brings each to the model's device (``head`` is a forward's KV,
+                # ``kv_b`` is placed beside its canonical, in host memory on a GPU)
+                return e.next_token_logprobs([head, kv_b], q, len(head) + len(kv_b))
 
             orbit = e.form_patch([cond[p] for p in runs if p != perm], can_b, rank)
             arms["blind"].append(kl(ref, lp(e.apply(can_b, None, start_b))))
@@ -236,18 +237,21 @@ def speed(engine: Engine, lengths: tuple[int, ...] = LENGTHS, context: int = 512
     out: dict[str, Any] = {}
     ctx_ids = _text_tokens(e, context + max(lengths))
     a = len(e.anchor_ids)
-    ctx = KV.cat([e.anchor_kv, e.forward(ctx_ids[:context], e.anchor_kv, a, logits="none").kv])
+    # on the model's device, all of it: the anchor and a canonical are kept in host memory, and a GPU's
+    # re-prefill is set against an apply in device memory (each timing waits for the device: ``_synced``)
+    ctx = KV.cat([e.anchor_kv.to(e.device), e.forward(ctx_ids[:context], e.anchor_kv, a, logits="none").kv])
     for n in track(lengths, "speed"):
         ids = ctx_ids[context : context + n]
-        reprefill = timed(lambda ids=ids: e.forward(ids, ctx, a + context, logits="none"), repeat=3)
+        reprefill = timed(_synced(lambda ids=ids: e.forward(ids, ctx, a + context, logits="none")), repeat=3)
         cond = e.forward(ids, ctx, a + context, logits="none").kv
-        can = e.canonical(ids)
+        can = e.canonical(ids).to(e.device)
         patch = e.form_patch(cond, can, 32)
         buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
         reuse = timed(
-            lambda can=can, patch=patch, buf=buf: apply_patch(can, patch, e.rope, a + context, out=buf), repeat=10
+            _synced(lambda can=can, patch=patch, buf=buf: apply_patch(can, patch, e.rope, a + context, out=buf)),
+            repeat=10,
         )
-        form = timed(lambda cond=cond, can=can: e.form_patch(cond, can, 32), repeat=3)
+        form = timed(_synced(lambda cond=cond, can=can: e.form_patch(cond, can, 32)), repeat=3)
         out[str(n)] = {
             "reprefill_s": reprefill,
             "reuse_s": reuse,
@@ -263,22 +267,22 @@ def bandwidth(engine: Engine, n: int = 1024) -> dict[str, Any]:
     """Bytes moved per second by apply (read canonical + factors, write placed K/V) vs a plain copy."""
     e = engine
     ids = _text_tokens(e, n)
-    can = e.canonical(ids)
+    can = e.canonical(ids).to(e.device)  # the model's memory: a GPU's bandwidth, not the host's
     cond = e.forward(ids, e.anchor_kv, len(e.anchor_ids), logits="none").kv  # any conditioning will do
     buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))
     kv_bytes = can.nbytes
-    t_copy = timed(lambda: (buf.keys.copy_(can.keys), buf.values.copy_(can.values)), repeat=20)
+    t_copy = timed(_synced(lambda: (buf.keys.copy_(can.keys), buf.values.copy_(can.values))), repeat=20)
     result: dict[str, Any] = {
         "memcpy_gbps": 2 * kv_bytes / t_copy / 1e9,
         "apply_gbps_by_rank": {},
         "apply_kernel": fused_apply.status(),  # "c" (engine/csrc, fused) or "torch"
     }
-    t_rel = timed(lambda: apply_patch(can, None, e.rope, 5000, out=buf), repeat=20)
+    t_rel = timed(_synced(lambda: apply_patch(can, None, e.rope, 5000, out=buf)), repeat=20)
     result["relocate_gbps"] = 2 * kv_bytes / t_rel / 1e9
     fractions = {}
     for r in RANKS:
         patch = e.form_patch(cond, can, r)
-        t = timed(lambda patch=patch: apply_patch(can, patch, e.rope, 5000, out=buf), repeat=20)
+        t = timed(_synced(lambda patch=patch: apply_patch(can, patch, e.rope, 5000, out=buf)), repeat=20)
         result["apply_gbps_by_rank"][str(r)] = (2 * kv_bytes + patch.nbytes) / t / 1e9
         fractions[str(r)] = patch.nbytes / kv_bytes
     result["apply_gbps"] = result["apply_gbps_by_rank"]["32"]
