@@ -85,9 +85,10 @@ def _double(p: Patch) -> Patch:
 
 
 def run(engine: Engine, *, quick: bool = False, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
-    """The suite, its file rewritten after every section: a run cut short (a GPU lent by the minute) keeps
-    what finished. A section that raises is recorded under ``failed`` and the others still run; the run then
-    raises ``BenchSectionError`` naming them (the file holds the rest)."""
+    """The suite, written to ``gpu-<device>.partial.json`` after every section, so a run cut short (a GPU lent
+    by the minute) keeps what finished, and renamed ``gpu-<device>.json`` once every section has passed, so an
+    earlier complete result is replaced only by another. A section that raises is recorded under ``failed``
+    and the others still run; the run then raises ``KameraError`` naming them and the partial file."""
     preflight()
     if engine.device.type != "cuda":
         raise InvalidInputError(f"kamera bench gpu runs on CUDA; the engine is on {engine.device} (drop --device cpu)")
@@ -97,6 +98,7 @@ def run(engine: Engine, *, quick: bool = False, results_dir: Path = RESULTS_DIR)
     name = torch.cuda.get_device_name(engine.device)
     started = time.time()
     path = results_dir / f"gpu-{device_slug(name)}.json"
+    partial = path.with_suffix(".partial.json")
     result: dict[str, Any] = {
         "device_name": name,
         "torch": torch.__version__,
@@ -134,13 +136,14 @@ def run(engine: Engine, *, quick: bool = False, results_dir: Path = RESULTS_DIR)
                 slot = slot.setdefault(key, {})
             slot[where[-1]] = value
         result["wall_s"] = time.time() - started
-        _write(path, result)
-    result["written_to"] = str(path)
+        _write(partial, result)
     if result["failed"]:
         raise KameraError(
             f"kamera bench gpu: {len(result['failed'])} section(s) failed ({', '.join(result['failed'])}); "
-            f"the others are in {path}"
+            f"the others are in {partial}"
         )
+    partial.replace(path)
+    result["written_to"] = str(path)
     return result
 
 

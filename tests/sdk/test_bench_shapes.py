@@ -53,14 +53,17 @@ def test_bench_gpu_refuses_without_cuda_before_loading(monkeypatch: pytest.Monke
 
 def test_bench_gpu_keeps_each_section_and_names_the_ones_that_failed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """The suite's bookkeeping, without a GPU: the sections stand in for the measurements (which need CUDA).
-    Its file is rewritten after every section, a failing section is recorded and the rest still run, and the
-    run ends in an error naming it; a run stopped part way keeps what finished."""
+    Its partial file is rewritten after every section, a failing section is recorded and the rest still run,
+    and the run ends in an error naming it; a run stopped part way keeps what finished; only a run whose every
+    section passed replaces the complete file."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(dispatch, "status", lambda device=None: "triton (test)")
     engine = type("E", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
-    path = tmp_path / "gpu-test-gpu.json"
+    path = tmp_path / "gpu-test-gpu.partial.json"
+    done = tmp_path / "gpu-test-gpu.json"
+    done.write_text('{"earlier": "complete"}')  # a complete earlier result: replaced only by another
     seen: list[str] = []
 
     def section(name: str, value: object):
@@ -79,7 +82,7 @@ def test_bench_gpu_keeps_each_section_and_names_the_ones_that_failed(monkeypatch
     monkeypatch.setattr(gpu.window, "run", section("window", {"ttft": 1.0}))
     monkeypatch.setattr(gpu.operator, "run_shape", lambda big, shape, quick: {"shape": shape})
     monkeypatch.setattr("kamera_engine.shapes.random_engine", lambda *a, **k: object())
-    failed = r"1 section\(s\) failed \(operator\); the others are in .*gpu-test-gpu\.json"
+    failed = r"1 section\(s\) failed \(operator\); the others are in .*gpu-test-gpu\.partial\.json"
     with pytest.raises(KameraError, match=failed):
         gpu.run(engine, quick=True, results_dir=tmp_path)  # type: ignore[arg-type]
     assert seen == ["kernels", "operator", "window"]
@@ -98,6 +101,14 @@ def test_bench_gpu_keeps_each_section_and_names_the_ones_that_failed(monkeypatch
     kept = json.loads(path.read_text())
     assert kept["failed"] == {} and kept["operator"] == {"relocation_max_abs_err": 0.0}
     assert "window" not in kept and "shapes" not in kept
+    assert json.loads(done.read_text()) == {"earlier": "complete"}
+
+    monkeypatch.setattr(gpu.window, "run", section("window", {"ttft": 2.0}))
+    result = gpu.run(engine, quick=True, results_dir=tmp_path)  # type: ignore[arg-type]
+    assert result["written_to"] == str(done) and not path.exists()
+    complete = json.loads(done.read_text())
+    assert complete["failed"] == {} and complete["window"] == {"ttft": 2.0}
+    assert set(complete["shapes"]) == set(gpu.SHAPES)
 
 
 def test_shape_flag_only_with_the_operator_bench(capsys) -> None:
