@@ -175,18 +175,28 @@ def locate(model: str | Path | None) -> ModelSource:
     reason = hub_unreachable()
     if reason is None:
         return ModelSource(name, name, offline=False)
-    if isinstance(cached_config, str):
+    snapshot = Path(cached_config).parent if isinstance(cached_config, str) else None
+    if snapshot is not None and _holds_weights(snapshot):
         # the cached snapshot's directory, not the id: from_pretrained of an id consults the hub even with
         # local_files_only (the PEFT adapter lookup, the client's agent registry), which with no network can
         # wait through rounds of retries; a directory is read from disk alone
-        return ModelSource(name, str(Path(cached_config).parent), offline=True)
+        return ModelSource(name, str(snapshot), offline=True)
+    cache = "it is not in the Hugging Face cache" if snapshot is None else "its Hugging Face cache holds no weights"
     raise ModelLoadError(
-        f"cannot load {name!r}: it is not a local path, it is not in the Hugging Face cache "
+        f"cannot load {name!r}: it is not a local path, {cache} "
         f"({constants.HF_HUB_CACHE}), and the hub cannot be reached ({reason}). Point at a local copy: "
         f"Engine.load('/path/to/model') with a directory holding its config.json, weights and tokenizer "
         f"(e.g. written by `hf download {name} --local-dir <dir>` where there is network), or set "
         "HF_HUB_CACHE to a cache that holds it"
     )
+
+
+#: the weight files ``from_pretrained`` reads from a directory
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def _holds_weights(directory: Path) -> bool:
+    return any(next(directory.glob(pattern), None) is not None for pattern in WEIGHT_FILES)
 
 
 def read_config(source: ModelSource) -> Any:

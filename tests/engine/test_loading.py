@@ -89,6 +89,24 @@ def test_a_cached_id_loads_with_no_network(tmp_path: Path, monkeypatch: pytest.M
     assert type(engine) is Engine and engine.name == repo and engine.num_layers == 2
 
 
+def test_a_cached_config_without_weights_is_not_a_cached_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that holds an id's config but not its weights (a download cut short) is refused as such, at once,
+    rather than handed to from_pretrained, whose error would name a file in the snapshot directory."""
+    repo, commit = "kamera-tests/tiny-llama-config-only", "1" * 40
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--kamera-tests--tiny-llama-config-only" / "snapshots" / commit
+    _save_tiny_llama(snapshot)
+    for weights in snapshot.glob("*.safetensors"):
+        weights.unlink()
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    message, seconds = _timed_failure(repo)
+    assert seconds < 2.0
+    assert "its Hugging Face cache holds no weights" in message and "HF_HUB_CACHE" in message
+
+
 def test_a_directory_that_is_not_a_model_says_so(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not a model")
     message, seconds = _timed_failure(tmp_path)
