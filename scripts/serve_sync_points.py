@@ -17,6 +17,7 @@ import threading
 import traceback
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import kamera_engine  # noqa: F401  (before torch: the engine sets OpenMP's wait policy as torch loads)
@@ -27,19 +28,30 @@ import torch
 from kamera_engine import Engine
 from kamera_sdk.bench.serve import arm
 
-# the source tree's engine/ or an installed kamera_engine/ (a wheel, as carried to a GPU machine)
-_OURS = ("/engine/", "/kamera_engine/", "/kamera_sdk/")
+#: the engine and the SDK: this checkout's engine/ and kamera_sdk/, or an installed kamera_engine/ and kamera_sdk/
+#: (a wheel, as carried to a GPU machine), filed under the checkout's names; a folder merely called engine/ is not ours
+_ROOT = Path(__file__).resolve().parents[1]
+_TREES = {str(_ROOT / "engine"): "engine", str(_ROOT / "kamera_sdk"): "kamera_sdk"}
+_PACKAGES = {"kamera_engine": "engine", "kamera_sdk": "kamera_sdk"}
+
+
+def _ours(filename: str) -> str | None:
+    """``filename`` as ``engine/...`` or ``kamera_sdk/...`` when it is the engine's or the SDK's, else None."""
+    for tree, label in _TREES.items():
+        if filename.startswith(tree + "/"):
+            return label + filename[len(tree) :]
+    parts = Path(filename).parts
+    for i in range(len(parts) - 2, -1, -1):  # the innermost folder so named: an installed package
+        if parts[i] in _PACKAGES:
+            return "/".join((_PACKAGES[parts[i]], *parts[i + 1 :]))
+    return None
 
 
 def _site() -> str:
-    frames = [f for f in traceback.extract_stack() if any(p in f.filename for p in _OURS)]
+    frames = [(f, p) for f in traceback.extract_stack() if (p := _ours(f.filename)) is not None]
     if not frames:
         return "(outside engine/ and kamera_sdk/)"
-    f = frames[-1]
-    path = f.filename
-    for p in _OURS:
-        if p in path:
-            path = p.strip("/") + "/" + path.split(p, 1)[1]
+    f, path = frames[-1]
     return f"{path}:{f.lineno} {f.name}"
 
 
