@@ -45,8 +45,6 @@ PACKAGES = (
     "starlette",
     "uvicorn",
     "opentelemetry-api",
-    "importlib-metadata",
-    "zipp",
     "jsonschema",
     "jsonschema-specifications",
     "referencing",
