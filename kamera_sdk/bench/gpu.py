@@ -109,10 +109,10 @@ def run(engine: Engine, *, quick: bool = False, results_dir: Path = RESULTS_DIR)
     }
     err.print(f"[bold]gpu[/] suite on {name}")
 
-    def shape(name: str) -> dict[str, Any]:
-        big = random_engine(name, 4 if quick else None, device=engine.device, dtype=engine.dtype)
+    def shape(shape_name: str) -> dict[str, Any]:
+        big = random_engine(shape_name, 4 if quick else None, device=engine.device, dtype=engine.dtype)
         try:
-            return operator.run_shape(big, name, quick=quick)
+            return operator.run_shape(big, shape_name, quick=quick)
         finally:
             del big
             torch.cuda.empty_cache()
