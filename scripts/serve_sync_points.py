@@ -12,6 +12,7 @@ This runs one arm of ``kamera bench serve``'s loop (``kamera_sdk.bench.serve.arm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import threading
 import traceback
@@ -35,6 +36,7 @@ _TREES = {str(_ROOT / "engine"): "engine", str(_ROOT / "kamera_sdk"): "kamera_sd
 _PACKAGES = {"kamera_engine": "engine", "kamera_sdk": "kamera_sdk"}
 
 
+@functools.cache  # a few hundred files, met again in every one of thousands of stacks
 def _ours(filename: str) -> str | None:
     """``filename`` as ``engine/...`` or ``kamera_sdk/...`` when it is the engine's or the SDK's, else None."""
     for tree, label in _TREES.items():
