@@ -5,6 +5,7 @@
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py switch [pairs] [intervals]
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py kernels      # the same products and attention alone
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py steps [runs] [step_tokens]
+    OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py fused [pairs]   # q|k|v and gate|up as one product each
 
 ``profile``: ``torch.profiler`` inside the server's stepping thread for one batched run (``kamera_sdk.bench.serve``'s
 loop: add a page, ask, slide; 6 rounds, answers up to 48 tokens), the ten costliest ops and the packed linears
@@ -18,7 +19,10 @@ take, each the best of several runs. ``steps``: every step of batched runs as ``
 (the packed steps and what ran alone), the run's time by kind of step, and its tail: the time from the start of
 the last step that still held four or more decode rows or two window forwards, when one or two sessions finish
 their answers nearly alone (with the steps after that one and the tokens their decode rows made); with several
-``step_tokens`` (comma-separated), runs alternate between them.
+``step_tokens`` (comma-separated), runs alternate between them. ``fused``: each layer's sibling linears (the
+attention's q, k and v projections; the MLP's gate and up) packed as one weight each, so a layer runs four products
+instead of seven: the 30 layers' products alone at a number of rows, both ways (with whether their outputs are
+bit-identical), then the 8-session loop batched and one at a time, plain and fused alternated.
 """
 
 from __future__ import annotations
@@ -321,6 +325,106 @@ def steps(engine: Engine, runs: int, budgets: list[int]) -> dict[str, Any]:
     }
 
 
+class _Siblings:
+    """Linears of one parent that read the same input (``names``), run as one packed product: the first member
+    called with an input computes all of them, the others take their columns while the parent's forward lasts
+    (the cache is dropped as the parent's forward starts and ends). Off unless ``on[0]``."""
+
+    def __init__(self, parent: torch.nn.Module, names: list[str], on: list[bool]) -> None:
+        self.members = [getattr(parent, n) for n in names]
+        weight = torch.cat([m.weight.detach() for m in self.members])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        ends = torch.tensor([m.out_features for m in self.members]).cumsum(0).tolist()
+        self.columns = list(zip([0, *ends[:-1]], ends, strict=True))
+        self.on, self.local = on, threading.local()
+        self.handles = [
+            parent.register_forward_pre_hook(lambda *_: self.reset()),
+            parent.register_forward_hook(lambda *_: self.reset()),
+        ]
+        for i, m in enumerate(self.members):
+            m.forward = lambda x, i=i, own=m.forward: self.call(i, x) if self.on[0] else own(x)
+
+    def reset(self) -> None:
+        self.local.x = self.local.out = None
+
+    def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.local, "x", None) is not x:
+            self.local.x = x
+            self.local.out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        a, b = self.columns[i]
+        return self.local.out[..., a:b]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for m in self.members:
+            del m.forward
+
+
+def _layer_products(layers: Any, groups: list[_Siblings], x: torch.Tensor, xi: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's seven linears on ``x`` (``xi`` for the down projection), as the model calls them."""
+    for g in groups:
+        g.reset()  # outside a parent's forward nothing drops the cache: each pass computes afresh
+    out = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(x)]
+        out += [mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(xi)]
+    return out
+
+
+@torch.inference_mode()
+def fused(engine: Engine, pairs: int) -> dict[str, Any]:
+    on = [False]
+    groups = []
+    for layer in engine.model.model.layers:
+        groups.append(_Siblings(layer.self_attn, ["q_proj", "k_proj", "v_proj"], on))
+        groups.append(_Siblings(layer.mlp, ["gate_proj", "up_proj"], on))
+    try:
+        products: dict[str, Any] = {}
+        layers = engine.model.model.layers
+        flops_per_row = sum(2 * m.in_features * m.out_features for m in layers.modules() if isinstance(m, PackedLinear))
+        for rows in (1, 8, 56, 80, 136, 448):
+            torch.manual_seed(rows)
+            x = torch.randn(1, rows, layers[0].self_attn.q_proj.in_features)
+            xi = torch.randn(1, rows, layers[0].mlp.down_proj.in_features)
+            outs: dict[bool, list[torch.Tensor]] = {}
+            times: dict[bool, float] = {}
+            for way in (False, True):
+                on[0] = way
+                outs[way] = _layer_products(layers, groups, x, xi)
+                times[way] = timed(lambda x=x, xi=xi: _layer_products(layers, groups, x, xi), 7, reduce=min)
+            products[str(rows)] = {
+                "plain_s": times[False],
+                "fused_s": times[True],
+                "speedup": times[False] / times[True],
+                "gflop_per_s": {
+                    k: rows * flops_per_row / times[w] / 1e9 for k, w in (("plain", False), ("fused", True))
+                },
+                "bit_identical": all(torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True)),
+            }
+            print(rows, json.dumps(products[str(rows)]), file=sys.stderr, flush=True)
+        arms: dict[str, dict[str, list[float]]] = {}
+        for batch in (True, False):
+            runs: dict[str, list[float]] = {"plain": [], "fused": []}
+            for i in range(pairs):
+                for way in (False, True) if i % 2 == 0 else (True, False):
+                    on[0] = way
+                    r = arm(engine, SESSIONS, batch, ROUNDS, MAX_NEW)
+                    runs["fused" if way else "plain"].append(r["tokens_per_s"])
+                    print("batched" if batch else "sequential", way, r["tokens_per_s"], file=sys.stderr, flush=True)
+            arms["batched" if batch else "sequential"] = runs
+        ratio = {
+            way: statistics.median(arms["batched"][way]) / statistics.median(arms["sequential"][way])
+            for way in ("plain", "fused")
+        }
+        return {"products_of_30_layers": products, "arms_tokens_per_s": arms, "ratio_of_medians": ratio}
+    finally:
+        on[0] = False
+        for g in groups:
+            g.remove()
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "profile"
     engine = Engine.load()
@@ -340,8 +444,10 @@ def main() -> None:
         runs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
         budgets = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [512]
         result = steps(engine, runs, budgets)
+    elif what == "fused":
+        result = fused(engine, int(sys.argv[2]) if len(sys.argv) > 2 else 2)
     else:
-        raise SystemExit(f"unknown measurement {what!r}: use profile, round, switch, kernels or steps")
+        raise SystemExit(f"unknown measurement {what!r}: use profile, round, switch, kernels, steps or fused")
     print(json.dumps(result, indent=1))
 
 
