@@ -27,6 +27,7 @@ bit-identical), then the 8-session loop batched and one at a time, plain and fus
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -334,7 +335,7 @@ class _Siblings:
         self.members = [getattr(parent, n) for n in names]
         weight = torch.cat([m.weight.detach() for m in self.members])
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        ends = torch.tensor([m.out_features for m in self.members]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(m.out_features for m in self.members))
         self.columns = list(zip([0, *ends[:-1]], ends, strict=True))
         self.on, self.local = on, threading.local()
         self.handles = [
@@ -376,13 +377,13 @@ def _layer_products(layers: Any, groups: list[_Siblings], x: torch.Tensor, xi: t
 @torch.inference_mode()
 def fused(engine: Engine, pairs: int) -> dict[str, Any]:
     on = [False]
+    layers = engine.model.model.layers
     groups = []
-    for layer in engine.model.model.layers:
+    for layer in layers:
         groups.append(_Siblings(layer.self_attn, ["q_proj", "k_proj", "v_proj"], on))
         groups.append(_Siblings(layer.mlp, ["gate_proj", "up_proj"], on))
     try:
         products: dict[str, Any] = {}
-        layers = engine.model.model.layers
         flops_per_row = sum(2 * m.in_features * m.out_features for m in layers.modules() if isinstance(m, PackedLinear))
         for rows in (1, 8, 56, 80, 136, 448):
             torch.manual_seed(rows)
