@@ -23,6 +23,12 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
             assert arm["tokens_per_s"] > 0 and arm["p95_s"] >= arm["p50_s"] > 0
         ratio = result["sessions"][n]["batched"]["tokens_per_s"] / result["sessions"][n]["sequential"]["tokens_per_s"]
         assert abs(result["throughput_ratio"][n] - ratio) < 1e-9
+        # the drain left out: the run up to the first session's end, every arm's sessions all finished
+        both = [result["sessions"][n][mode] for mode in ("batched", "sequential")]
+        assert all(0 < arm["all_running_s"] <= arm["elapsed_s"] and arm["all_running_tokens_per_s"] > 0 for arm in both)
+        assert (
+            result["all_running_ratio"][n] == both[0]["all_running_tokens_per_s"] / both[1]["all_running_tokens_per_s"]
+        )
     assert result["sessions"]["3"]["batched"]["batch_max"] >= 2
     assert result["repeat"] == 1
     assert result["machine"]["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "ZVECTOR")
@@ -74,7 +80,9 @@ def test_bench_serve_repeat_reports_the_median_pair_and_alternates_the_arms(monk
         if not current:
             current.update(zip(("batched", "sequential"), next(speeds), strict=True))
         calls.append(mode)
-        return {"tokens_per_s": current.pop(mode), "p95_s": 1.0, "answers": 0, "answer_tokens_mean": 0.0}
+        speed = current.pop(mode)
+        figures = {"tokens_per_s": speed, "all_running_tokens_per_s": speed, "p95_s": 1.0}
+        return {**figures, "answers": 0, "answer_tokens_mean": 0.0}
 
     monkeypatch.setattr(serve, "arm", arm)
     monkeypatch.setattr(serve, "ceiling", lambda engine: {})
@@ -86,5 +94,15 @@ def test_bench_serve_repeat_reports_the_median_pair_and_alternates_the_arms(monk
     assert result["sessions"]["8"]["batched"]["tokens_per_s"] == 30.0
     assert [r["throughput_ratio"] for r in result["runs"]["8"]] == [3.0, 4.0, 2.75]
     assert [r["first"] for r in result["runs"]["8"]] == ["batched", "sequential", "batched"]
+    assert result["all_running_ratio"]["8"] == 3.0 and [r["all_running_ratio"] for r in result["runs"]["8"]][1] == 4.0
     with pytest.raises(InvalidInputError, match="repeat"):
         serve.run(engine, counts=(8,), repeat=0)  # type: ignore[arg-type]
+
+
+def test_all_running_leaves_the_drain_out() -> None:
+    """Tokens up to the first session's end, an answer in flight then counted for the share of its pieces
+    that had arrived; zeros when a session did not finish (a failed session has no end)."""
+    answers = [(4, [1.0, 2.0]), (6, [3.0, 5.0, 7.0]), (2, [9.0])]  # 2 + 4 + 0 tokens by t=5 (the cut)
+    figures = serve.all_running(0.0, [5.0, 9.5], 2, answers)
+    assert figures == {"all_running_s": 5.0, "all_running_tokens_per_s": 8.0 / 5.0}
+    assert serve.all_running(0.0, [5.0], 2, answers) == {"all_running_s": 0.0, "all_running_tokens_per_s": 0.0}
