@@ -5,9 +5,10 @@ in 1, 8, 32 concurrent sessions, each session runs an agent-like loop per round:
 result of about 56 tokens), ask for a one-sentence answer about it (streamed, ``max_new_tokens`` 48, or
 32 with ``quick``), then slide the oldest page out once the window holds three; 6 rounds (4 with
 ``quick``), so that from the fourth round on every ask follows a slide. Per mode and N:
-tokens/s and requests/s over the run, TTFT and latency p50/p95 of the answers, mean answer length, the
-process's peak RSS and, batched, the scheduler's batch sizes, window forwards batched (and how many
-sessions' window forwards shared a step) or run alone, and peak KV bytes.
+tokens/s and requests/s over the run (and tokens/s until the first session ends: the run without its
+drain), TTFT and latency p50/p95 of the answers, mean answer length, the process's peak RSS and,
+batched, the scheduler's batch sizes, window forwards batched (and how many sessions' window forwards
+shared a step) or run alone, and peak KV bytes.
 
 The run also measures the ceiling batching has on this machine (``ceiling``): one decode step of 1, 8
 and 32 rows against one row (the decode-only speedup; rows in a decode slab as the scheduler runs them,
