@@ -411,7 +411,7 @@ def run(
     host = machine()
     sessions: dict[str, dict[str, Any]] = {}
     ratio: dict[str, float] = {}
-    runs: dict[str, list[dict[str, float]]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     for n in counts:
         pairs: list[dict[str, Any]] = []
         for k in range(repeat):
