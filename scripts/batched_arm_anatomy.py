@@ -327,14 +327,17 @@ def steps(engine: Engine, runs: int, budgets: list[int]) -> dict[str, Any]:
 
 
 class _Siblings:
-    """Linears of one parent that read the same input (``names``), run as one packed product: the first member
-    called with an input computes all of them, the others take their columns while the parent's forward lasts
-    (the cache is dropped as the parent's forward starts and ends). Off unless ``on[0]``."""
+    """Linears of one parent that read the same input (``names``), run as one ``PackedLinear`` over their stacked
+    weights: the first member called with an input computes all of them, the others take their columns while the
+    parent's forward lasts (the cache is dropped as the parent's forward starts and ends). Off unless ``on[0]``."""
 
     def __init__(self, parent: torch.nn.Module, names: list[str], on: list[bool]) -> None:
         self.members = [getattr(parent, n) for n in names]
+        if any(m.bias is not None for m in self.members):
+            raise SystemExit("fused: the default model's sibling linears have no bias; this one has")
         weight = torch.cat([m.weight.detach() for m in self.members])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.fused = PackedLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.fused.weight = torch.nn.Parameter(weight, requires_grad=False)
         ends = list(itertools.accumulate(m.out_features for m in self.members))
         self.columns = list(zip([0, *ends[:-1]], ends, strict=True))
         self.on, self.local = on, threading.local()
@@ -351,7 +354,7 @@ class _Siblings:
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.local, "x", None) is not x:
             self.local.x = x
-            self.local.out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            self.local.out = self.fused(x)
         a, b = self.columns[i]
         return self.local.out[..., a:b]
 

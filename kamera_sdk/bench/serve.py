@@ -21,6 +21,7 @@ bound on the ratio for this loop on this machine, so a run's ratio can be read a
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import resource
@@ -105,13 +106,13 @@ def all_running(
     start: float, ends: list[float], sessions: int, answers: list[tuple[int, list[float]]]
 ) -> dict[str, float]:
     """Throughput while every session is still in its loop: from ``start`` to the first session's end (``ends``,
-    one per session that finished), with each answer's ``(tokens, piece arrival clocks)`` counted for the share
-    of its pieces that arrived by then. A closed loop of fixed rounds ends with a drain in which sessions finish
-    one by one, fewer and fewer running; this figure leaves the drain out. Zeros if a session did not finish."""
+    one per session that finished), each answer's ``(tokens, piece arrival clocks in order)`` counted for the
+    share of its pieces that arrived by then. A closed loop of fixed rounds ends with a drain in which sessions
+    finish one by one; this figure leaves the drain out. Zeros if a session did not finish."""
     if len(ends) != sessions or not ends or min(ends) <= start:
         return {"all_running_s": 0.0, "all_running_tokens_per_s": 0.0}
     cut = min(ends)
-    made = sum(n * sum(1 for t in arrived if t <= cut) / len(arrived) for n, arrived in answers if arrived)
+    made = sum(n * bisect.bisect_right(arrived, cut) / len(arrived) for n, arrived in answers if arrived)
     return {"all_running_s": cut - start, "all_running_tokens_per_s": made / (cut - start)}
 
 
