@@ -144,7 +144,8 @@ class SchedulerStats(BaseModel):
     prefill_tokens: int = 0
     queue_wait_s_total: float = 0.0
     queue_wait_s_max: float = 0.0
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # the stepping thread's forwards: batched steps, window forwards and jobs run alone
+    idle_s: float = 0.0  # the stepping thread waiting for work (``wait_for_work``); the rest of its time is steps
     carried: int = 0  # callers' own forwards (window work) that ran batched in a step with other rows
     carried_tokens: int = 0
     carried_alone: int = 0  # window forwards that ran alone (nothing else to run in their step)
@@ -426,6 +427,7 @@ class Scheduler:
         self._stats = SchedulerStats(kv_budget_bytes=kv_budget_bytes, step_tokens=step_tokens, max_rows=max_rows)
         self._driver: int | None = None  # the thread that drives steps, when one does
         self._wake = threading.Condition()
+        self._idle_since: float | None = None  # when the stepping thread began waiting for work, while it waits
         self._stop = False
         self._thread: threading.Thread | None = None
         self._step_s = 0.05  # a running estimate of one step's time (retry hints)
@@ -564,9 +566,11 @@ class Scheduler:
         if lone is not None:  # one window forward and nothing else to run: the unbatched path, bit for bit
             t0 = time.perf_counter()
             self._run_alone(lone)
+            dt = time.perf_counter() - t0
             self._stats.carried_alone += 1
+            self._stats.forward_s += dt
             if self._observers:
-                n, dt = int(lone.ids.numel()), time.perf_counter() - t0
+                n = int(lone.ids.numel())
                 self._report(StepRecord(ended=t0 + dt, seconds=dt, window_forwards=1, window_tokens=n, alone=True))
             return True
         plan = _Plan()
@@ -690,8 +694,9 @@ class Scheduler:
                 job.result = job.context.run(job.fn)
             except BaseException as exc:  # the caller's error, raised on its own thread
                 job.error = exc
-            self._stats.alone += 1
             dt = time.perf_counter() - t0
+            self._stats.alone += 1
+            self._stats.forward_s += dt
             job.finished.set()
             if self._observers:
                 self._report(StepRecord(ended=t0 + dt, seconds=dt, alone=True))
@@ -1185,9 +1190,17 @@ class Scheduler:
         return len(live)
 
     def wait_for_work(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for work to arrive, unless some is there; the wait counts in
+        ``stats().idle_s``."""
         with self._wake:
-            if not self.has_work():
-                self._wake.wait(timeout)
+            if self.has_work():
+                return
+            with self._lock:
+                self._idle_since = time.perf_counter()
+            self._wake.wait(timeout)
+        with self._lock:
+            self._stats.idle_s += time.perf_counter() - self._idle_since
+            self._idle_since = None
 
     def notify(self) -> None:
         """Wake a driver waiting for work (a caller that added work of its own)."""
@@ -1211,6 +1224,8 @@ class Scheduler:
             s.running = len(self._running)
             s.waiting = len(self._waiting)
             s.carried_waiting = len(self._carried)
+            if self._idle_since is not None:  # a wait in progress counts up to now
+                s.idle_s += time.perf_counter() - self._idle_since
         return s
 
 

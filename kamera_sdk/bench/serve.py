@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from kamera_engine import KV, Engine, InvalidInputError
-from kamera_engine.scheduler import StepRecord
+from kamera_engine.scheduler import SchedulerStats, StepRecord
 
 from ..server.loadgen import run_together
 from .machine import machine
@@ -123,8 +123,16 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def _load(url: str, sessions: int, rounds: int, max_new_tokens: int) -> dict[str, Any]:
-    barrier = threading.Barrier(sessions + 1)
+def _load(
+    url: str,
+    sessions: int,
+    rounds: int,
+    max_new_tokens: int,
+    on_start: Callable[[], None] | None = None,
+    on_end: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    # on_start: called as the sessions start their loops together; on_end: as the last one ends its loop
+    barrier = threading.Barrier(sessions + 1, action=on_start)
     lock = threading.Lock()
     ttfts: list[float] = []
     lats: list[float] = []
@@ -158,6 +166,9 @@ def _load(url: str, sessions: int, rounds: int, max_new_tokens: int) -> dict[str
                     held -= 1
             with lock:
                 ends.append(time.perf_counter())
+                last = len(ends) == sessions
+            if last and on_end is not None:
+                on_end()
             client.delete(f"/v1/sessions/{sid}")
         except Exception as exc:
             with lock:
@@ -371,8 +382,13 @@ def arm(
         sched = app.state.kamera.scheduler
         if observer is not None and sched is None:
             raise InvalidInputError("an observer watches a batched server's steps; this arm runs one at a time")
+        marks: dict[str, SchedulerStats] = {}  # the scheduler's counters as the loops start and as the last ends
+
+        def mark(name: str) -> Callable[[], None] | None:
+            return None if sched is None else lambda: marks.setdefault(name, sched.stats())
+
         with sched.observe(observer) if observer is not None else nullcontext():
-            figures = _load(url, sessions, rounds, max_new_tokens)
+            figures = _load(url, sessions, rounds, max_new_tokens, on_start=mark("start"), on_end=mark("end"))
         figures["peak_rss_bytes"] = _peak_rss_bytes()
         figures["load_avg_1m"] = os.getloadavg()[0]
         if sched is not None:
@@ -387,6 +403,11 @@ def arm(
             figures["follow_ons"] = s.follow_ons  # answers queued by their prompt's forward's step
             figures["kv_bytes_peak"] = s.kv_bytes_peak
             figures["queue_wait_s_max"] = s.queue_wait_s_max
+            # the stepping thread over the sessions' loops (``elapsed_s``): in forwards, waiting for work, the rest
+            # in between (admissions, sampling, handing tokens out); a session that failed never ends its loop
+            start, end = marks.get("start", s), marks.get("end", s)
+            figures["forward_s"] = end.forward_s - start.forward_s
+            figures["idle_s"] = end.idle_s - start.idle_s
             figures["step_tokens"], figures["max_batch_rows"] = s.step_tokens, s.max_rows  # what it ran under
     return figures
 

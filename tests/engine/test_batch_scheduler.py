@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -244,3 +245,26 @@ def test_a_driver_thread_and_async_consumers(engine: Engine) -> None:
         assert got == expected[0]
     finally:
         sched.stop()
+
+
+def test_the_stepping_threads_idle_time_is_counted(engine: Engine) -> None:
+    p, i, s, kw = _cases(engine)[0]
+    sched = Scheduler(engine)
+    assert sched.stats().idle_s == 0.0
+    t0 = time.perf_counter()
+    sched.start()
+    try:
+        time.sleep(1.2)  # nothing to do: the driver waits for work, half a second at a time
+        idle = sched.stats().idle_s
+        assert 0.4 < idle <= time.perf_counter() - t0
+        assert list(sched.submit(p, i, s, SamplingParams(**kw)))
+        stats = sched.stats()
+        assert stats.forward_s > 0.0 and stats.idle_s >= idle
+    finally:
+        sched.stop()
+    # with work already there a wait returns at once and counts nothing
+    req = sched.submit(p, i, s, SamplingParams(**kw))
+    before = sched.stats().idle_s
+    sched.wait_for_work(5.0)
+    assert sched.stats().idle_s == before
+    req.cancel()

@@ -68,6 +68,10 @@ def test_an_arm_takes_create_app_options_and_reports_its_steps() -> None:
     assert (figures["step_tokens"], figures["max_batch_rows"]) == (16, 64)
     assert sum(s.decode_rows for s in log) > 0 and sum(s.window_tokens for s in log) > 4 * 16
     assert max(s.prompt_tokens for s in log) == 16  # chunks (a prompt of the default step would run whole)
+    # the stepping thread over the sessions' loops: its forwards are steps reported (others ran as the sessions
+    # were opened and closed), and forwards and waits fit in the loops' time
+    assert 0.0 < figures["forward_s"] <= sum(s.seconds for s in log) + 1e-9
+    assert 0.0 <= figures["idle_s"] and figures["forward_s"] + figures["idle_s"] <= figures["elapsed_s"] + 0.25
     with pytest.raises(InvalidInputError, match="one at a time"):
         serve.arm(engine, 1, False, 1, 2, observer=log.append)
 
