@@ -7,22 +7,25 @@
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py steps [runs] [step_tokens]
     OMP_NUM_THREADS=2 python scripts/batched_arm_anatomy.py fused [pairs]   # q|k|v and gate|up as one product each
 
-``profile``: ``torch.profiler`` inside the server's stepping thread for one batched run (``kamera_sdk.bench.serve``'s
-loop: add a page, ask, slide; 6 rounds, answers up to 48 tokens), the ten costliest ops and the packed linears
+``profile``: ``torch.profiler`` over one batched run on every thread (``kamera_sdk.bench.serve``'s loop: add a page,
+ask, slide; 6 rounds, answers up to 48 tokens), the server's stepping thread picked out by a marker its first step
+records (a ``Scheduler.observe`` observer): its ten costliest ops and the packed linears
 grouped by the rows they multiply (decode steps, prompt steps, the head) with their FLOP and weight-read rates.
 ``round``: the forwards of one steady-state round as ``round_ceiling`` runs them (8 pages in one forward, 8 asks in
 one, decode steps of 8 rows and of 1), each with the time inside its linears. ``switch``: batched runs at the
-interpreter's default switch interval and at others, alternated, with the stepping thread's run, runqueue and
-idle time from ``/proc`` (Linux). ``kernels``: the model's own packed linears run alone, all 210 layer linears in
-sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in the forms it could
-take, each the best of several runs. ``steps``: every step of batched runs as ``Scheduler.observe`` reports it
-(the packed steps and what ran alone), the run's time by kind of step, and its tail: the time from the start of
-the last step that still held four or more decode rows or two window forwards, when one or two sessions finish
-their answers nearly alone (with the steps after that one and the tokens their decode rows made); with several
-``step_tokens`` (comma-separated), runs alternate between them. ``fused``: each layer's sibling linears (the
-attention's q, k and v projections; the MLP's gate and up) packed as one weight each, so a layer runs four products
-instead of seven: the 30 layers' products alone at a number of rows, both ways (with whether their outputs are
-bit-identical), then the 8-session loop batched and one at a time, plain and fused alternated.
+interpreter's default switch interval and at others, alternated, with the stepping thread's run and runqueue time
+from ``/proc`` (Linux) between the end of its first step and of its last, and its time in forwards and waiting for
+work (``SchedulerStats.forward_s`` and ``idle_s``). ``kernels``: the model's own packed linears run alone, all 210
+layer linears in sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in
+the forms it could take, each the best of several runs. ``steps``: every step of batched runs as
+``Scheduler.observe`` reports it (the packed steps and what ran alone), the run's time by kind of step, and its
+tail: the time from the start of the last step that still held four or more decode rows or two window forwards, when
+one or two sessions finish their answers nearly alone (with the steps after that one and the tokens their decode
+rows made); with several ``step_tokens`` (comma-separated), runs alternate between them. ``fused``: each layer's
+sibling linears (the attention's q, k and v projections; the MLP's gate and up) packed as one weight each, so a
+layer runs four products instead of seven: the 30 layers' products alone at a number of rows, both ways (with
+whether their outputs are bit-identical), then the 8-session loop batched and one at a time, plain and fused
+alternated.
 """
 
 from __future__ import annotations
@@ -43,39 +46,57 @@ import torch
 
 from kamera_engine import Engine
 from kamera_engine.packed_linear import PackedLinear
-from kamera_engine.scheduler import Scheduler, StepRecord
+from kamera_engine.scheduler import StepRecord
 from kamera_sdk.bench.metrics import timed
 from kamera_sdk.bench.serve import arm, round_ids, round_shape
-from kamera_sdk.server.worker import ModelWorker
 
 SESSIONS, ROUNDS, MAX_NEW = 8, 6, 48
 
 
-def _stepping_thread(wrap: Any) -> Any:
-    """Run ``wrap(original_drive, worker)`` in place of the server's stepping loop; returns the original."""
-    original = ModelWorker._drive
-    ModelWorker._drive = lambda self: wrap(original, self)  # type: ignore[method-assign]
-    return original
+class _SteppingThread:
+    """Learns which thread steps the arm's scheduler from its first step (a ``Scheduler.observe`` observer, so it
+    runs there): its native id, and a profiler marker recorded on it so its ops can be told apart."""
+
+    MARK = "kamera.stepping_thread"
+
+    def __init__(self) -> None:
+        self.native_id: int | None = None
+        self.first: tuple[float, float, float] | None = None
+        self.last: tuple[float, float, float] | None = None
+
+    def schedstat(self) -> tuple[float, float, float]:
+        """The thread's time on a core and waiting for one (``/proc``, Linux), and the wall clock, in seconds."""
+        with open(f"/proc/self/task/{self.native_id}/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9, time.perf_counter()
+
+    def __call__(self, _: StepRecord) -> None:
+        if self.native_id is None:
+            self.native_id = threading.get_native_id()
+            with torch.profiler.record_function(self.MARK):
+                pass
+            self.first = self.schedstat()
+        self.last = self.schedstat()
 
 
 def profile(engine: Engine) -> dict[str, Any]:
-    profiles: list[Any] = []
-
-    def wrap(original: Any, worker: ModelWorker) -> None:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as p:
-            original(worker)
-        profiles.append(p)
-
-    original = _stepping_thread(wrap)
-    try:
-        run = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
-    finally:
-        ModelWorker._drive = original  # type: ignore[method-assign]
-    averages = profiles[0].key_averages()
-    total = sum(e.self_cpu_time_total for e in averages) / 1e6
-    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    thread = _SteppingThread()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        record_shapes=True,
+        experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True),
+    ) as p:
+        run = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW, observer=thread)
+    events = p.events()
+    marks = {e.thread for e in events if e.name == thread.MARK}
+    if len(marks) != 1:
+        raise RuntimeError(f"the stepping thread's marker was recorded on {len(marks)} threads, not one")
+    self_s: dict[str, float] = defaultdict(float)  # each op's own time on the stepping thread
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
-    for e in profiles[0].key_averages(group_by_input_shape=True):
+    for e in events:
+        if e.thread not in marks or e.name == thread.MARK:
+            continue
+        self_s[e.key] += e.self_cpu_time_total / 1e6
         if e.key != "mkldnn::_linear_pointwise" or not e.input_shapes or len(e.input_shapes[1]) != 2:
             continue
         x, (n, k) = e.input_shapes[0], e.input_shapes[1]
@@ -91,13 +112,14 @@ def profile(engine: Engine) -> dict[str, Any]:
         )
         g = groups[name]
         g[0] += e.self_cpu_time_total / 1e6
-        g[1] += 2 * rows * n * k * e.count
-        g[2] += 4 * n * k * e.count
-        g[3] += e.count
+        g[1] += 2 * rows * n * k
+        g[2] += 4 * n * k
+        g[3] += 1
+    top = sorted(self_s.items(), key=lambda kv: kv[1], reverse=True)[:10]
     return {
         "tokens_per_s": run["tokens_per_s"],
-        "stepping_thread_op_s": total,
-        "top_ops_s": {e.key: e.self_cpu_time_total / 1e6 for e in top},
+        "stepping_thread_op_s": sum(self_s.values()),
+        "top_ops_s": dict(top),
         "linears": {
             name: {"s": s, "gflop_per_s": fl / s / 1e9, "weight_gb_per_s": by / s / 1e9, "calls": calls}
             for name, (s, fl, by, calls) in sorted(groups.items())
@@ -191,46 +213,29 @@ def round_parts(engine: Engine, repeat: int = 5) -> dict[str, Any]:
 
 
 def switch(engine: Engine, pairs: int, intervals: list[float]) -> dict[str, Any]:
-    stats: dict[str, float] = {}
-
-    def wrap(original: Any, worker: ModelWorker) -> None:
-        tid = threading.get_native_id()
-
-        def read() -> tuple[float, float, float]:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                run_ns, wait_ns, _ = f.read().split()
-            return int(run_ns) / 1e9, int(wait_ns) / 1e9, time.perf_counter()
-
-        a = read()
-        try:
-            original(worker)
-        finally:
-            b = read()
-            stats.update(run_s=b[0] - a[0], runqueue_s=b[1] - a[1], wall_s=b[2] - a[2])
-
-    waiting = Scheduler.wait_for_work
-
-    def wait_for_work(self: Scheduler, timeout: float) -> None:
-        t = time.perf_counter()
-        waiting(self, timeout)
-        stats["idle_s"] = stats.get("idle_s", 0.0) + time.perf_counter() - t
-
     default = sys.getswitchinterval()
-    original = _stepping_thread(wrap)
-    Scheduler.wait_for_work = wait_for_work  # type: ignore[method-assign]
     runs: dict[str, list[dict[str, float]]] = {str(s): [] for s in intervals}
     try:
         for i in range(pairs):
             for s in intervals if i % 2 == 0 else intervals[::-1]:
                 sys.setswitchinterval(s)
-                stats.clear()
-                r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW)
-                runs[str(s)].append({"tokens_per_s": r["tokens_per_s"], **stats})
+                thread = _SteppingThread()
+                r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW, observer=thread)
+                assert thread.first is not None and thread.last is not None
+                a, b = thread.first, thread.last  # from the end of the first step to the end of the last
+                runs[str(s)].append(
+                    {
+                        "tokens_per_s": r["tokens_per_s"],
+                        "run_s": b[0] - a[0],
+                        "runqueue_s": b[1] - a[1],
+                        "wall_s": b[2] - a[2],
+                        "forward_s": r["forward_s"],
+                        "idle_s": r["idle_s"],
+                    }
+                )
                 print(s, json.dumps(runs[str(s)][-1]), file=sys.stderr, flush=True)
     finally:
         sys.setswitchinterval(default)
-        ModelWorker._drive = original  # type: ignore[method-assign]
-        Scheduler.wait_for_work = waiting  # type: ignore[method-assign]
     return {
         "runs": runs,
         "median_tokens_per_s": {s: statistics.median(r["tokens_per_s"] for r in rs) for s, rs in runs.items()},
