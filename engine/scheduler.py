@@ -1190,17 +1190,20 @@ class Scheduler:
         return len(live)
 
     def wait_for_work(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for work to arrive, unless some is there; the wait counts in
-        ``stats().idle_s``."""
+        """Wait up to ``timeout`` seconds for work to arrive, unless some is there (the driving thread, between
+        steps); the wait counts in ``stats().idle_s``, a wait in progress up to the moment ``stats()`` is read."""
         with self._wake:
             if self.has_work():
                 return
+            since = time.perf_counter()
             with self._lock:
-                self._idle_since = time.perf_counter()
-            self._wake.wait(timeout)
-        with self._lock:
-            self._stats.idle_s += time.perf_counter() - self._idle_since
-            self._idle_since = None
+                self._idle_since = since
+            try:
+                self._wake.wait(timeout)
+            finally:
+                with self._lock:
+                    self._stats.idle_s += time.perf_counter() - since
+                    self._idle_since = None
 
     def notify(self) -> None:
         """Wake a driver waiting for work (a caller that added work of its own)."""

@@ -9,15 +9,15 @@
 
 ``profile``: ``torch.profiler`` over one batched run on every thread (``kamera_sdk.bench.serve``'s loop: add a page,
 ask, slide; 6 rounds, answers up to 48 tokens), the server's stepping thread picked out by a marker its first step
-records (a ``Scheduler.observe`` observer): its ten costliest ops and the packed linears
-grouped by the rows they multiply (decode steps, prompt steps, the head) with their FLOP and weight-read rates.
-``round``: the forwards of one steady-state round as ``round_ceiling`` runs them (8 pages in one forward, 8 asks in
-one, decode steps of 8 rows and of 1), each with the time inside its linears. ``switch``: batched runs at the
-interpreter's default switch interval and at others, alternated, with the stepping thread's run and runqueue time
-from ``/proc`` (Linux) between the end of its first step and of its last, and its time in forwards and waiting for
-work (``SchedulerStats.forward_s`` and ``idle_s``). ``kernels``: the model's own packed linears run alone, all 210
-layer linears in sequence at a number of rows, and a prompt's attention call (the ask's queries over its keys) in
-the forms it could take, each the best of several runs. ``steps``: every step of batched runs as
+records (a ``Scheduler.observe`` observer): its ten costliest ops and the packed linears grouped by the rows they
+multiply (decode steps, prompt steps, the head) with their FLOP and weight-read rates. ``round``: the forwards of
+one steady-state round as ``round_ceiling`` runs them (8 pages in one forward, 8 asks in one, decode steps of 8 rows
+and of 1), each with the time inside its linears. ``switch``: batched runs at the interpreter's default switch
+interval and at others, alternated, with the stepping thread's run and runqueue time from ``/proc`` (Linux) between
+the end of its first step and of its last, and its time in forwards and waiting for work over the sessions' loops
+(``forward_s`` and ``idle_s``, as ``kamera bench serve`` reports them). ``kernels``: the model's own packed linears
+run alone, all 210 layer linears in sequence at a number of rows, and a prompt's attention call (the ask's queries
+over its keys) in the forms it could take, each the best of several runs. ``steps``: every step of batched runs as
 ``Scheduler.observe`` reports it (the packed steps and what ran alone), the run's time by kind of step, and its
 tail: the time from the start of the last step that still held four or more decode rows or two window forwards, when
 one or two sessions finish their answers nearly alone (with the steps after that one and the tokens their decode
@@ -55,11 +55,13 @@ SESSIONS, ROUNDS, MAX_NEW = 8, 6, 48
 
 class _SteppingThread:
     """Learns which thread steps the arm's scheduler from its first step (a ``Scheduler.observe`` observer, so it
-    runs there): its native id, and a profiler marker recorded on it so its ops can be told apart."""
+    runs there): its native id, and a profiler marker recorded on it so its ops can be told apart; with
+    ``schedstat``, its ``/proc`` times at its first step's end and at its last's."""
 
     MARK = "kamera.stepping_thread"
 
-    def __init__(self) -> None:
+    def __init__(self, *, schedstat: bool = False) -> None:
+        self.reads = schedstat
         self.native_id: int | None = None
         self.first: tuple[float, float, float] | None = None
         self.last: tuple[float, float, float] | None = None
@@ -75,8 +77,10 @@ class _SteppingThread:
             self.native_id = threading.get_native_id()
             with torch.profiler.record_function(self.MARK):
                 pass
-            self.first = self.schedstat()
-        self.last = self.schedstat()
+            if self.reads:
+                self.first = self.schedstat()
+        if self.reads:
+            self.last = self.schedstat()
 
 
 def profile(engine: Engine) -> dict[str, Any]:
@@ -219,7 +223,7 @@ def switch(engine: Engine, pairs: int, intervals: list[float]) -> dict[str, Any]
         for i in range(pairs):
             for s in intervals if i % 2 == 0 else intervals[::-1]:
                 sys.setswitchinterval(s)
-                thread = _SteppingThread()
+                thread = _SteppingThread(schedstat=True)
                 r = arm(engine, SESSIONS, True, ROUNDS, MAX_NEW, observer=thread)
                 assert thread.first is not None and thread.last is not None
                 a, b = thread.first, thread.last  # from the end of the first step to the end of the last

@@ -132,7 +132,14 @@ def _load(
     on_end: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     # on_start: called as the sessions start their loops together; on_end: as the last one ends its loop
-    barrier = threading.Barrier(sessions + 1, action=on_start)
+    started: list[float] = []
+
+    def start() -> None:  # the barrier's action, run once every thread has arrived and before any goes on
+        started.append(time.perf_counter())
+        if on_start is not None:
+            on_start()
+
+    barrier = threading.Barrier(sessions + 1, action=start)
     lock = threading.Lock()
     ttfts: list[float] = []
     lats: list[float] = []
@@ -166,9 +173,8 @@ def _load(
                     held -= 1
             with lock:
                 ends.append(time.perf_counter())
-                last = len(ends) == sessions
-            if last and on_end is not None:
-                on_end()
+                if len(ends) == sessions and on_end is not None:
+                    on_end()
             client.delete(f"/v1/sessions/{sid}")
         except Exception as exc:
             with lock:
@@ -176,7 +182,8 @@ def _load(
         finally:
             client.close()
 
-    t0 = run_together(agent, sessions, barrier)
+    run_together(agent, sessions, barrier)
+    t0 = started[0]
     elapsed = max(ends, default=time.perf_counter()) - t0
     return {
         "tokens_per_s": sum(tokens) / elapsed if elapsed > 0 else 0.0,
@@ -403,11 +410,12 @@ def arm(
             figures["follow_ons"] = s.follow_ons  # answers queued by their prompt's forward's step
             figures["kv_bytes_peak"] = s.kv_bytes_peak
             figures["queue_wait_s_max"] = s.queue_wait_s_max
-            # the stepping thread over the sessions' loops (``elapsed_s``): in forwards, waiting for work, the rest
-            # in between (admissions, sampling, handing tokens out); a session that failed never ends its loop
-            start, end = marks.get("start", s), marks.get("end", s)
-            figures["forward_s"] = end.forward_s - start.forward_s
-            figures["idle_s"] = end.idle_s - start.idle_s
+            # the stepping thread over the sessions' loops (``elapsed_s``): in forwards and waiting for work, the
+            # rest its own work between forwards (planning, sampling, handing tokens out) and waits for a core or
+            # the interpreter; not measured (None) when a session failed, so never ended its loop
+            start, end = marks.get("start"), marks.get("end")
+            figures["forward_s"] = None if start is None or end is None else end.forward_s - start.forward_s
+            figures["idle_s"] = None if start is None or end is None else end.idle_s - start.idle_s
             figures["step_tokens"], figures["max_batch_rows"] = s.step_tokens, s.max_rows  # what it ran under
     return figures
 

@@ -262,6 +262,15 @@ def test_the_stepping_threads_idle_time_is_counted(engine: Engine) -> None:
         assert stats.forward_s > 0.0 and stats.idle_s >= idle
     finally:
         sched.stop()
+    # a wait in progress counts up to the moment the stats are read
+    before = sched.stats().idle_s
+    waiter = threading.Thread(target=sched.wait_for_work, args=(30.0,))
+    waiter.start()
+    time.sleep(0.6)
+    assert sched.stats().idle_s - before > 0.3 and waiter.is_alive()
+    sched.notify()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and sched.stats().idle_s - before < 30.0
     # with work already there a wait returns at once and counts nothing
     req = sched.submit(p, i, s, SamplingParams(**kw))
     before = sched.stats().idle_s
