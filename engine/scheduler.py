@@ -1192,15 +1192,17 @@ class Scheduler:
     def wait_for_work(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for work to arrive, unless some is there (the driving thread, between
         steps); the wait counts in ``stats().idle_s``, a wait in progress up to the moment ``stats()`` is read."""
-        with self._wake:
-            if self.has_work():
-                return
-            since = time.perf_counter()
-            with self._lock:
-                self._idle_since = since
-            try:
+        since: float | None = None
+        try:
+            # never ``_lock`` inside ``_wake``: a step takes ``_lock`` then ``_wake`` (``_finish``). Work queued after
+            # this look notifies under ``_wake``, so it wakes the wait below: nothing is missed.
+            with self._wake:
+                if self._running or self._waiting or self._carried or self._alone_jobs:
+                    return
+                since = self._idle_since = time.perf_counter()
                 self._wake.wait(timeout)
-            finally:
+        finally:
+            if since is not None:
                 with self._lock:
                     self._stats.idle_s += time.perf_counter() - since
                     self._idle_since = None
@@ -1227,8 +1229,9 @@ class Scheduler:
             s.running = len(self._running)
             s.waiting = len(self._waiting)
             s.carried_waiting = len(self._carried)
-            if self._idle_since is not None:  # a wait in progress counts up to now
-                s.idle_s += time.perf_counter() - self._idle_since
+            since = self._idle_since
+            if since is not None:  # a wait in progress counts up to now
+                s.idle_s += time.perf_counter() - since
         return s
 
 
