@@ -539,7 +539,11 @@ class Scheduler:
     # --- stepping ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._running or self._waiting or self._carried or self._alone_jobs)
+            return self._queued()
+
+    def _queued(self) -> bool:
+        # each container's truth is read atomically, so a caller may look without ``_lock`` (``wait_for_work``)
+        return bool(self._running or self._waiting or self._carried or self._alone_jobs)
 
     def step(self) -> bool:
         """Run the forwards waiting to run alone, if any; else admit what fits, run one batched forward and
@@ -1197,7 +1201,7 @@ class Scheduler:
             # never ``_lock`` inside ``_wake``: a step takes ``_lock`` then ``_wake`` (``_finish``). Work queued after
             # this look notifies under ``_wake``, so it wakes the wait below: nothing is missed.
             with self._wake:
-                if self._running or self._waiting or self._carried or self._alone_jobs:
+                if self._queued():
                     return
                 since = self._idle_since = time.perf_counter()
                 self._wake.wait(timeout)

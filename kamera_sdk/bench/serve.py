@@ -414,8 +414,9 @@ def arm(
             # rest its own work between forwards (planning, sampling, handing tokens out) and waits for a core or
             # the interpreter; not measured (None) when a session failed, so never ended its loop
             start, end = marks.get("start"), marks.get("end")
-            figures["forward_s"] = None if start is None or end is None else end.forward_s - start.forward_s
-            figures["idle_s"] = None if start is None or end is None else end.idle_s - start.idle_s
+            span = start is not None and end is not None
+            figures["forward_s"] = end.forward_s - start.forward_s if span else None
+            figures["idle_s"] = end.idle_s - start.idle_s if span else None
             figures["step_tokens"], figures["max_batch_rows"] = s.step_tokens, s.max_rows  # what it ran under
     return figures
 
