@@ -39,7 +39,7 @@ import httpx
 from kamera_engine import KV, Engine, InvalidInputError
 from kamera_engine.scheduler import SchedulerStats, StepRecord
 
-from ..server.loadgen import run_together
+from ..server.loadgen import StartBarrier, run_together
 from .machine import machine
 from .metrics import timed
 
@@ -132,14 +132,7 @@ def _load(
     on_end: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     # on_start: called as the sessions start their loops together; on_end: as the last one ends its loop
-    started: list[float] = []
-
-    def start() -> None:  # the barrier's action, run once every thread has arrived and before any goes on
-        started.append(time.perf_counter())
-        if on_start is not None:
-            on_start()
-
-    barrier = threading.Barrier(sessions + 1, action=start)
+    barrier = StartBarrier(sessions + 1, action=on_start)  # its start and on_start before any session goes on
     lock = threading.Lock()
     ttfts: list[float] = []
     lats: list[float] = []
@@ -182,8 +175,7 @@ def _load(
         finally:
             client.close()
 
-    run_together(agent, sessions, barrier)
-    t0 = started[0]
+    t0 = run_together(agent, sessions, barrier)
     elapsed = max(ends, default=time.perf_counter()) - t0
     return {
         "tokens_per_s": sum(tokens) / elapsed if elapsed > 0 else 0.0,

@@ -49,17 +49,32 @@ class LoadReport(BaseModel):
     latency_max_s: float
 
 
-def run_together(target: Callable[[int], None], n: int, barrier: threading.Barrier) -> float:
+class StartBarrier(threading.Barrier):
+    """A barrier that notes when it releases its parties (``started``), then runs ``action``: both before any
+    party goes on, so a run timed from ``started`` holds everything the parties do after it."""
+
+    def __init__(self, parties: int, action: Callable[[], None] | None = None) -> None:
+        self.started: float | None = None
+
+        def release() -> None:
+            self.started = time.perf_counter()
+            if action is not None:
+                action()
+
+        super().__init__(parties, action=release)
+
+
+def run_together(target: Callable[[int], None], n: int, barrier: StartBarrier) -> float:
     """Run ``target(i)`` on ``n`` threads that meet at ``barrier`` (``n + 1`` parties, this one included)
     once set up; returns when all have finished, with the time the barrier released them."""
     threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     barrier.wait()
-    t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return t0
+    assert barrier.started is not None  # set by the release that let this thread's wait return
+    return barrier.started
 
 
 def _p95(values: list[float]) -> float:
@@ -82,7 +97,7 @@ def run_load(
     ``warmup``: generates per session before the clock starts (the first use of a window forms its
     conditioning patches; with ``warmup=0`` that cost is part of the figures).
     """
-    barrier = threading.Barrier(sessions + 1)
+    barrier = StartBarrier(sessions + 1)
     latencies: list[float] = []
     finished: list[float] = []
     errors: list[str] = []
