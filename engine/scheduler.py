@@ -420,6 +420,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._carried: list[_Carried] = []  # window forwards (``carry``) waiting for or running in steps
         self._alone_jobs: deque[_AloneJob] = deque()  # forwards to run alone between steps (``run_alone``)
+        self._withdrawals: list[Request] = []  # requests cancelled from other threads, finished at the next step
         self._stepping: int | None = None  # the thread holding the step lock
         self._kv_bytes = 0
         self._slab = DecodeSlab()  # decoding requests' KV side by side: one attention call for all of them
@@ -554,6 +555,7 @@ class Scheduler:
     def _step_locked(self) -> bool:
         self._stepping = threading.get_ident()
         try:
+            self._withdraw_queued()
             if self._run_alone_jobs():  # each in its caller's context (a recording open there sees it)
                 return True
             with unrecorded():  # a step runs other requests' rows: no recording of this thread sees them
@@ -1129,7 +1131,34 @@ class Scheduler:
             self._wake.notify_all()
 
     def _cancel(self, req: Request) -> None:
-        with self._step_lock if self._driver != threading.get_ident() else _nothing():
+        """Withdraw ``req`` and return once it is withdrawn. Another thread's cancel never waits for the step
+        lock: a driver stepping in a tight loop takes it again before a waiting thread wakes, so a cancel could
+        wait for hundreds of steps while the answer decodes on. It queues the request instead; the next step
+        finishes it before anything else (or the canceller, when no step runs)."""
+        me = threading.get_ident()
+        if me in (self._driver, self._stepping):  # between or inside its own steps: nothing else runs
+            self._finish(req, "cancelled")
+            return
+        with self._lock:
+            if req.done:
+                return
+            self._withdrawals.append(req)
+        while True:
+            if self._step_lock.acquire(blocking=False):  # no step in progress: withdraw it here
+                try:
+                    self._withdraw_queued()
+                finally:
+                    self._step_lock.release()
+            with self._wake:  # ``_finish`` notifies under ``_wake`` once the state is set: no wake-up is lost
+                if req.done:
+                    return
+                self._wake.wait(0.01)  # rechecked: the step that drained the queue may have ended first
+
+    def _withdraw_queued(self) -> None:
+        """Finish the requests other threads cancelled (the caller holds the step lock)."""
+        with self._lock:
+            queued, self._withdrawals = self._withdrawals, []
+        for req in queued:
             self._finish(req, "cancelled")
 
     # --- a thread that drives it ------------------------------------------------------------------
@@ -1266,11 +1295,6 @@ def batching(engine: Engine, **options: Any) -> Iterator[Scheduler]:
             sched.cancel_all()
         # a consumer or caller of work that arrives after this steps the scheduler itself
         sched.stop()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _as_kamera(exc: BaseException) -> BaseException:

@@ -179,6 +179,27 @@ def test_a_cancelled_request_leaves_and_the_others_go_on(engine: Engine) -> None
     assert sched.stats().cancelled == 1 and sched.stats().kv_bytes == 0
 
 
+def test_a_cancel_from_another_thread_lands_at_the_next_step(engine: Engine) -> None:
+    # the driver steps in a tight loop: a cancel that waited for the step lock could wait for hundreds of steps
+    # (it did, and an answer cancelled in the window tests decoded to its end); one queued lands at the next step
+    sched = Scheduler(engine)
+    sched.start()
+    try:
+        for seed in range(5):
+            req = sched.submit(None, random_ids(4, seed), 0, SamplingParams(max_new_tokens=4000, eos_token_ids=()))
+            while len(req.generated) < 20:
+                time.sleep(0.001)
+            before = len(req.generated)
+            req.close()
+            assert req.state == "cancelled"
+            # the step in progress when it was queued, and one that began before it was read
+            assert len(req.generated) - before <= 2
+        stats = sched.stats()
+        assert (stats.cancelled, stats.running, stats.waiting, stats.kv_bytes) == (5, 0, 0, 0)
+    finally:
+        sched.stop()
+
+
 def test_one_keys_requests_run_in_order(engine: Engine) -> None:
     sched = Scheduler(engine)
     a = sched.submit(None, random_ids(3, 1), 0, SamplingParams(max_new_tokens=5), key="w")
