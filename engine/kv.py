@@ -90,7 +90,10 @@ class KV:
             raise InvalidInputError("cannot concatenate placed and position-free KV")
         keys = torch.cat([p.keys for p in parts], dim=1)
         values = torch.cat([p.values for p in parts], dim=1)
-        pos = None if parts[0].positions is None else torch.cat([p.positions for p in parts])  # type: ignore[misc]
+        # positions are bookkeeping beside the tensors: a forward hands its own out in host memory while a part
+        # moved to a GPU (``to``) carries them there, so they are joined on the first part's device
+        first = parts[0].positions
+        pos = None if first is None else torch.cat([p.positions.to(first.device) for p in parts])  # type: ignore[union-attr]
         deltas = None
         ref = next((p.deltas for p in parts if p.deltas is not None), None)
         if ref is not None:  # parts without deltas (text) carry zeros

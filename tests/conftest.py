@@ -124,8 +124,16 @@ def tiny(request: pytest.FixtureRequest) -> Engine:
 
 @pytest.fixture(scope="session")
 def default_engine() -> Engine:
-    """The real embedded default model (SmolLM2-135M-Instruct), loaded once."""
-    return Engine.load()
+    """The real embedded default model (SmolLM2-135M-Instruct), loaded once, in float32 where the tests run
+    (``KAMERA_TEST_DEVICE``): ``Engine.load()`` alone would pick bfloat16 on a GPU, and the references hold
+    float32 tolerances."""
+    return Engine.load(device=str(TEST_DEVICE), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def default_cpu_engine(default_engine: Engine) -> Engine:
+    """The default model on the CPU, for tests of CPU machinery (oneDNN's packed weights, the thread pool)."""
+    return default_engine if TEST_DEVICE.type == "cpu" else Engine.load(device="cpu", dtype="float32")
 
 
 def reprefill_logprobs(win: Any, prompt: list[int]) -> torch.Tensor:

@@ -330,8 +330,12 @@ def shape_speed(engine: Engine, tokens: tuple[int, ...] = SHAPE_TOKENS, context:
     out: dict[str, Any] = {}
     for n in track(tokens, "shape speed"):
         chunk = ids[context : context + n]
-        # one run: a prefill of thousands of tokens is seconds, far above timer and warm-up noise
-        reprefill, res = timed_result(_synced(lambda chunk=chunk: e.forward(chunk, ctx, context, logits="none")), 1, 0)
+        # on a CPU one run: a prefill of thousands of tokens is seconds, far above timer and warm-up noise; on a GPU
+        # it is tens of milliseconds and the first forward also pays the kernels' set-up (an H200's first 512-token
+        # prefill of an 8B shape took 8x the next), so one warm-up and the median of three
+        repeat, warmup = (3, 1) if e.device.type == "cuda" else (1, 0)
+        prefill = _synced(lambda chunk=chunk: e.forward(chunk, ctx, context, logits="none"))
+        reprefill, res = timed_result(prefill, repeat, warmup)
         can = KV(res.kv.keys.clone(), res.kv.values.clone(), None)
         patch = _random_patch(can, rank, g)
         buf = KV(torch.empty_like(can.keys), torch.empty_like(can.values))

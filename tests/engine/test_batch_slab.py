@@ -455,7 +455,7 @@ def test_answers_from_one_prefilled_prompt_leave_it_as_it_was(
 
 @pytest.mark.slow
 def test_default_model_mixed_step_is_the_same_with_small_kernels_inline(
-    default_engine: Engine, monkeypatch: pytest.MonkeyPatch
+    default_cpu_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real model, a step as a server runs it (slab decode rows, a question after a window, a page after the
     anchor): with its small kernels inline (the default at this size) every logit and every new key and value is
@@ -466,7 +466,7 @@ def test_default_model_mixed_step_is_the_same_with_small_kernels_inline(
 
     # this test process imported torch first, so its thread plan runs nothing inline: the plan of one that did not
     monkeypatch.setattr(threads, "_plan", dataclasses.replace(threads.thread_plan(), inline_small_kernels=True))
-    engine = default_engine
+    engine = default_cpu_engine  # a CPU's small kernels: a GPU's run on the device, never inline
     assert batch.inlines_small_kernels(engine.model, 6 + 78 + 57)
     seen: list[int] = []
     real_pooled = batch.pooled

@@ -81,6 +81,18 @@ def test_decoding_after_a_forward_over_parts_matches_the_joined_past() -> None:
     )
 
 
+def test_parts_whose_positions_sit_on_other_devices_join_on_the_first_parts() -> None:
+    # a GPU's forward hands its positions out in host memory while ``KV.to`` moved the anchor's to the device
+    # (``kamera bench gpu`` joined the two on an H200); the meta device stands in for the GPU here
+    engine = tiny_engine("llama")
+    head = engine.anchor_kv
+    tail = engine.forward([5, 6, 7], head, len(ANCHOR), logits="none").kv.to("cpu")
+    moved = KV(head.keys, head.values, head.positions.to("meta"))
+    joined = KV.cat([moved, tail])
+    assert joined.positions.device.type == "meta" and joined.positions.shape == (len(ANCHOR) + 3,)
+    assert torch.equal(KV.cat([head, tail]).positions, torch.arange(len(ANCHOR) + 3))
+
+
 def test_a_position_free_part_is_refused() -> None:
     engine = tiny_engine("llama")
     parts, ids = _parts(engine, [4])
