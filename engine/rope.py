@@ -61,7 +61,9 @@ class RopeSpec:
         positions: (T,) int -> (T, rotary_dim // 2) float64.
         """
         pos = positions.to(torch.float32)
-        return (pos[:, None] * self.inv_freq.to(torch.float32)[None, :]).to(torch.float64)
+        # on the positions' device (as ``MRopeSpec``): KV moved to a GPU carries its positions there, while the
+        # spec's inv_freq is kept in host memory; one float32 product is rounded the same on either
+        return (pos[:, None] * self.inv_freq.to(pos.device, torch.float32)[None, :]).to(torch.float64)
 
 
 def check_rope_type(model_name: str, rope_type: str) -> None:

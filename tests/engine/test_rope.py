@@ -117,3 +117,13 @@ def test_bad_positions_are_rejected(tiny: Engine) -> None:
     can = tiny.canonical(random_ids(6, seed=6))
     with pytest.raises(InvalidInputError, match="positions"):
         rotate_keys(can.keys, tiny.rope, torch.arange(5))
+
+
+def test_angles_are_taken_where_the_positions_are(tiny: Engine) -> None:
+    # a KV moved to a GPU carries its positions there while the spec's inv_freq stays in host memory (an H200 ran
+    # the operator bench's form_patch into the two); the meta device stands in for the GPU
+    spec = tiny.rope
+    on_host = spec.angles(torch.arange(40, 52))
+    elsewhere = spec.angles(torch.arange(40, 52, device="meta"))
+    assert spec.inv_freq.device.type == "cpu"
+    assert elsewhere.device.type == "meta" and elsewhere.shape == on_host.shape and elsewhere.dtype == on_host.dtype
