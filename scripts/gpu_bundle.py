@@ -53,6 +53,7 @@ PACKAGES = (
     "openai",
     "httpx2",
     "httpcore2",
+    "truststore",  # httpcore2 imports it, and huggingface_hub imports httpcore2 (an H200's image lacked it)
     "jiter",
     "distro",
     "sniffio",
