@@ -187,7 +187,7 @@ def test_a_cancel_from_another_thread_lands_at_the_next_step(engine: Engine) -> 
     try:
         for seed in range(5):
             req = sched.submit(None, random_ids(4, seed), 0, SamplingParams(max_new_tokens=4000, eos_token_ids=()))
-            while len(req.generated) < 20:
+            while len(req.generated) < 20 and not req.done:
                 time.sleep(0.001)
             before = len(req.generated)
             req.close()
