@@ -1156,6 +1156,8 @@ class Scheduler:
 
     def _withdraw_queued(self) -> None:
         """Finish the requests other threads cancelled (the caller holds the step lock)."""
+        if not self._withdrawals:  # every step looks: no lock when none is queued (a canceller rechecks its own)
+            return
         with self._lock:
             queued, self._withdrawals = self._withdrawals, []
         for req in queued:

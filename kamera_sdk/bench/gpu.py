@@ -76,9 +76,9 @@ def kernel_check(device: torch.device, tokens: int = 512) -> dict[str, Any]:
         worst, within, total = 0.0, 0, 0
         for got, want in ((dst.keys, ref.keys), (dst.values, ref.values)):
             want16 = want.to(torch.bfloat16).double()
-            err = (got.cpu().double() - want16).abs()
-            worst = max(worst, (err / _bf16_ulp(want16.abs().amax(dim=-1, keepdim=True))).max().item())
-            within += int((err <= _bf16_ulp(want16.abs())).sum())
+            err, mag = (got.cpu().double() - want16).abs(), want16.abs()
+            worst = max(worst, (err / _bf16_ulp(mag.amax(dim=-1, keepdim=True))).max().item())
+            within += int((err <= _bf16_ulp(mag)).sum())
             total += err.numel()
         out[name] = {"max_err_bf16_row_ulp": worst, "within_one_ulp": within / total}
     return out
