@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -147,3 +150,13 @@ def reprefill_logprobs(win: Any, prompt: list[int]) -> torch.Tensor:
 def random_ids(n: int, seed: int, vocab: int = 128) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, vocab, (n,), generator=g).tolist()
+
+
+def script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` loaded from its file as module ``name`` (``scripts/`` is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,26 +4,12 @@ between GPU sessions unnoticed)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from kamera_engine import batch
-from tests.conftest import tiny_engine
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "batch_gpu.py"
-
-
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("batch_gpu", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import script, tiny_engine
 
 
 def test_batch_gpu_parts_run_on_a_cpu_and_batched_answers_equal_alone() -> None:
-    bg = _script()
+    bg = script("batch_gpu")
     engine = tiny_engine("llama")
     served = bg.serve(engine, 3, 20, 6, 5)
     assert served["tokens"] == 15 and served["same_tokens"] == 3

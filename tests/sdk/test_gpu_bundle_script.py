@@ -4,7 +4,6 @@ themselves need an index and are left out; the parts and the installer run for r
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bundle.py"
-spec = importlib.util.spec_from_file_location("gpu_bundle", SCRIPT)
-assert spec is not None and spec.loader is not None
-bundle = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bundle)
+from tests.conftest import script
+
+bundle = script("gpu_bundle")
 
 
 def _wheel(directory: Path, name: str, payload: bytes) -> Path:

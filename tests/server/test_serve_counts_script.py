@@ -4,7 +4,6 @@ tests run it for real)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,16 +13,12 @@ import pytest
 
 from kamera_engine import Engine
 from kamera_sdk.bench import serve
+from tests.conftest import script as load_script
 from tests.conftest import tiny_engine
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_counts.py"
 
 
 def test_each_count_is_written_as_it_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("serve_counts", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("serve_counts")
     engine = tiny_engine("llama")
     seen: list[tuple[int, ...]] = []
 

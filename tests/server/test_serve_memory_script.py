@@ -3,19 +3,13 @@ shape, grouped by size and shape."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_memory.py"
+from tests.conftest import script as load_script
 
 
 def test_the_census_counts_each_storage_once() -> None:
-    spec = importlib.util.spec_from_file_location("serve_memory", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("serve_memory")
     shape = [7, 1009, 13]  # 367,276 bytes of float32: 0.4 MB, a shape no other live tensor has
     before = [g for g in script.census(top=None)["groups"] if g["shape"] == shape]
     held = [torch.zeros(*shape) for _ in range(3)]
