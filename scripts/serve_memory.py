@@ -5,8 +5,9 @@
 Runs the serve loop's batched arm in process (``kamera_sdk.bench.serve.arm``: ``sessions`` sessions, 6 rounds,
 answers up to 48 tokens; 32 and 45 s by default) and, ``at_s`` seconds into it, counts the live CPU tensors: each
 storage once, grouped by its size and its tensor's shape, the largest groups first, with the process's RSS at that
-moment (oneDNN's packed weight copies have no storage to read and are not counted). Also: RSS after loading, the peak RSS, the model's parameter bytes and the scheduler's peak KV
-(``kv_bytes_peak``). Run it with ``MALLOC_ARENA_MAX=2`` to see what the C allocator's per-thread arenas add.
+moment (oneDNN's packed weight copies have no storage to read and are not counted). Also: RSS after loading, the
+peak RSS, the model's parameter bytes and the scheduler's peak KV (``kv_bytes_peak``). Run it with
+``MALLOC_ARENA_MAX=2`` to see what the C allocator's per-thread arenas add.
 """
 
 from __future__ import annotations
