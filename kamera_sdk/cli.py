@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .cli_args import add_batching_flags, batching_flags_given, batching_options, batching_refused, port
+from .cli_args import (
+    add_batching_flags,
+    add_limit_flags,
+    batching_flags_given,
+    batching_options,
+    batching_refused,
+    limit_options,
+    port,
+)
 from .console import err, print_result
 from .fleet_cli import add_fleet_command
 from .store_cli import add_store_command
@@ -116,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     given = batching_flags_given(args)
     if given and not engine.batchable:
         raise batching_refused(given, f"this model does not do ({type(engine).__name__} decodes one answer at a time)")
+    options |= limit_options(args)
     return serve(engine, host=args.host, port=args.port, api_key=args.api_key, store=args.store, **options)
 
 
@@ -178,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token on every request")
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     add_batching_flags(serve)
+    add_limit_flags(serve)
     serve.set_defaults(func=cmd_serve)
     add_store_command(sub)
     add_fleet_command(sub)

@@ -101,6 +101,22 @@ def add_batching_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """``--max-held-tokens`` (read it back with ``limit_options``)."""
+    parser.add_argument(
+        "--max-held-tokens",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="tokens all sessions' windows may hold together; content past it gets 429 (default: no limit)",
+    )
+
+
+def limit_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_app``'s server-wide limits given on the command line."""
+    return {} if args.max_held_tokens is None else {"max_held_tokens": args.max_held_tokens}
+
+
 def batching_flags_given(args: argparse.Namespace) -> list[str]:
     """The scheduler flags on the command line (``--kv-budget`` ...), in the order ``--help`` lists them."""
     return ["--" + name.replace("_", "-") for name in _BATCHING if getattr(args, name) is not None]

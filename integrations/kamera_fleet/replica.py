@@ -237,9 +237,10 @@ class KameraReplica:
         t0 = time.perf_counter()
         if local is not None:
             self.state.sessions.delete(session)
-        window, tokens = await self.state.worker.run(self._build, record)
+        window, tokens, held = await self.state.worker.run(self._build, record)
         self.state.sessions.reserve()
         self.state.sessions.add(window, key=session)
+        self.state.sessions.held.settle(session, held)  # counted against max_held_tokens from now on
         self.versions[session], self.known[session] = record.version, set(record.chunks)
         self.options[session] = record.options
         self.rebuilt += 1
@@ -250,9 +251,10 @@ class KameraReplica:
                                      "window_tokens": record.tokens(), "replica": self.name})  # fmt: skip
         return record
 
-    def _build(self, record: WindowRecord) -> tuple[ContextWindow, int]:
+    def _build(self, record: WindowRecord) -> tuple[ContextWindow, int, int]:
         """The journaled window, built fresh here (model thread): evicted chunks first (added, evicted), then
-        the active ones in order. Canonicals come from the store; returns the tokens computed to build it."""
+        the active ones in order. Canonicals come from the store; returns the window, the tokens computed to
+        build it and the tokens it holds."""
         missing = [c for c in record.evicted + record.order if c not in record.chunks]
         if missing:
             raise JournalLostError(f"session {record.session} cannot be rebuilt: its journal lacks chunk {missing[0]}")
@@ -266,7 +268,7 @@ class KameraReplica:
         except JournalLostError as exc:
             window.close()
             raise JournalLostError(f"session {record.session} cannot be rebuilt: {exc}") from exc
-        return window, window.stats().ingest_tokens
+        return window, window.stats().ingest_tokens, window.tokens
 
     async def _journal_after(self, session: str, req: dict[str, Any], status: int, body: bytes) -> None:
         """Journal the window of ``session`` (and a fork's child) when a request changed it."""

@@ -31,9 +31,10 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -79,6 +80,7 @@ from .schemas import (
     PromptTokensDetails,
     RecallRequest,
     ReorderRequest,
+    ServerStats,
     SessionCreate,
     SessionCreated,
     SlideRequest,
@@ -87,9 +89,11 @@ from .schemas import (
     Usage,
     WindowState,
 )
-from .sessions import Session, SessionRegistry, chat_key
+from .sessions import Session, SessionRegistry, chat_key, new_session_id
 from .sse import encode_event
 from .worker import ModelWorker
+
+T = TypeVar("T")
 
 #: Paths served without an API key.
 OPEN_PATHS = frozenset({"/healthz"})
@@ -112,6 +116,14 @@ class ServerState:
     ) -> None:
         self.engine = engine
         self.limits = limits
+        # first: a refused limit leaves nothing started. A dropped session's window is closed on the worker
+        # (its pending patches stored, its pins released)
+        self.sessions = SessionRegistry(
+            limits.max_sessions,
+            limits.session_ttl_s,
+            on_drop=lambda w: self.worker.submit(w.close),
+            max_held_tokens=limits.max_held_tokens,
+        )
         # every session's answers decode together in the scheduler's batches (engines with a forward of
         # their own kind, e.g. vision, decode one answer at a time on the worker)
         batchable = batch and isinstance(engine, Engine) and engine.batchable
@@ -136,10 +148,6 @@ class ServerState:
         self._owns_store = self.store is not None and self.store is not store
         self.scheduler = scheduler
         self.worker = ModelWorker(self.scheduler)
-        # a dropped session's window is closed on the worker (its pending patches stored, its pins released)
-        self.sessions = SessionRegistry(
-            limits.max_sessions, limits.session_ttl_s, on_drop=lambda w: self.worker.submit(w.close)
-        )
 
     def new_window(self, options: SessionCreate) -> ContextWindow:
         return ContextWindow(
@@ -244,6 +252,7 @@ def create_app(
     max_new_tokens_limit: int = 1024,
     max_session_tokens: int = 32768,
     session_ttl_s: float | None = 3600.0,
+    max_held_tokens: int | None = None,
     batch: bool = True,
     kv_budget_bytes: int | None = None,
     step_tokens: int | None = None,
@@ -253,7 +262,8 @@ def create_app(
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` on every path but ``/healthz``. Limits:
     request body bytes (413), decoded image bytes (413), open sessions (429), ``max_new_tokens`` per
-    request (422), tokens per session window (413), idle seconds before a session expires.
+    request (422), tokens per session window (413), idle seconds before a session expires, tokens all
+    sessions' windows hold together (``max_held_tokens``, 429; None: no limit).
     ``batch``: decode every session's answers together in one scheduler (``False``: one forward per job,
     answers interleaved token by token). ``kv_budget_bytes``: KV the answers being decoded may hold;
     past it new answers wait in a bounded queue, then get 429 with ``Retry-After``. ``step_tokens``: most
@@ -268,6 +278,7 @@ def create_app(
         max_new_tokens=max_new_tokens_limit,
         max_session_tokens=max_session_tokens,
         session_ttl_s=session_ttl_s,
+        max_held_tokens=max_held_tokens,
     )
     state = ServerState(
         engine,
@@ -308,6 +319,14 @@ def create_app(
         """The scheduler's batch sizes, queue waits and KV memory (null when the server does not batch)."""
         return state.scheduler.stats() if state.scheduler is not None else None
 
+    @app.get("/v1/server/stats", response_model=ServerStats)
+    async def server_stats() -> ServerStats:
+        """Open sessions and the tokens their windows hold, against the server's limits."""
+        held = sessions.held
+        return ServerStats(
+            sessions=len(sessions), max_sessions=limits.max_sessions, held_tokens=held.total, max_held_tokens=held.limit
+        )
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.name)])
@@ -329,6 +348,20 @@ def create_app(
         sessions.delete(session_id)
         return Response(status_code=204)
 
+    async def on_window(key: str, window: ContextWindow, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in ``key``'s lane, then count what ``window`` holds (``HeldTokens.settle``)."""
+
+        def job() -> T:
+            try:
+                return fn(*args)
+            finally:
+                sessions.held.settle(key, window.tokens)
+
+        return await worker.run_keyed(key, job)
+
+    def claim(key: str) -> Callable[[int], None]:
+        return partial(sessions.held.claim, key)
+
     @app.get("/v1/sessions/{session_id}/stats", response_model=WindowStats)
     async def stats(session_id: str) -> WindowStats:
         s = sessions.get(session_id)
@@ -338,7 +371,7 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/chunks", response_model=ChunkAdded, status_code=201)
     async def add_chunk(session_id: str, req: ChunkAdd) -> ChunkAdded:
         s = sessions.get(session_id)
-        cid, window = await worker.run_keyed(s.id, ops.add_chunk, s.id, s.window, req, limits)
+        cid, window = await on_window(s.id, s.window, ops.add_chunk, s.id, s.window, req, limits, claim(s.id))
         return ChunkAdded(chunk=cid, window=window)
 
     def _then_state(s: Session, fn: Any, *args: Any) -> WindowState:
@@ -348,17 +381,17 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/evict", response_model=WindowState)
     async def evict(session_id: str, req: ChunkRef) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run_keyed(s.id, _then_state, s, s.window.evict, req.chunk)
+        return await on_window(s.id, s.window, _then_state, s, s.window.evict, req.chunk)
 
     @app.post("/v1/sessions/{session_id}/recall", response_model=WindowState)
     async def recall(session_id: str, req: RecallRequest) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run_keyed(s.id, _then_state, s, s.window.recall, req.chunk, req.at)
+        return await on_window(s.id, s.window, ops.recall, s.id, s.window, req.chunk, req.at, limits, claim(s.id))
 
     @app.post("/v1/sessions/{session_id}/reorder", response_model=WindowState)
     async def reorder(session_id: str, req: ReorderRequest) -> WindowState:
         s = sessions.get(session_id)
-        return await worker.run_keyed(s.id, _then_state, s, s.window.reorder, req.order)
+        return await on_window(s.id, s.window, _then_state, s, s.window.reorder, req.order)
 
     @app.post("/v1/sessions/{session_id}/slide", response_model=SlideResult)
     async def slide(session_id: str, req: SlideRequest | None = None) -> SlideResult:
@@ -369,15 +402,26 @@ def create_app(
             removed = [str(c) for c in s.window.slide(req.n)]
             return SlideResult(removed=removed, window=ops.window_state(s.id, s.window))
 
-        return await worker.run_keyed(s.id, job)
+        return await on_window(s.id, s.window, job)
 
     @app.post("/v1/sessions/{session_id}/fork", response_model=SessionCreated, status_code=201)
     async def fork(session_id: str, _: ForkRequest | None = None) -> SessionCreated:
         s = sessions.get(session_id)
         sessions.reserve()  # before the fork: a refused fork leaves nothing behind
-        child_window = await worker.run_keyed(s.id, s.window.fork)
-        child = sessions.add(child_window)
-        state_now = await worker.run_keyed(child.id, ops.window_state, child.id, child_window)
+        child_id = new_session_id()
+        sessions.held.open(child_id)  # the child's tokens are claimed before it exists
+
+        def job() -> ContextWindow:
+            sessions.held.claim(child_id, s.window.tokens)
+            return s.window.fork()
+
+        try:
+            child_window = await worker.run_keyed(s.id, job)
+        except BaseException:
+            sessions.held.close(child_id)
+            raise
+        child = sessions.add(child_window, key=child_id)
+        state_now = await on_window(child.id, child_window, ops.window_state, child.id, child_window)
         return SessionCreated(id=child.id, window=state_now)
 
     # --- using the window ------------------------------------------------------------------------
@@ -407,18 +451,19 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         params = chat_ops.sampling(req, limits)
-        window: ContextWindow | None = None
+        held: Session | None = None  # the registered window the messages sync into, if any
         if req.session is not None:
-            window = sessions.get(req.session).window
+            held = sessions.get(req.session)
         elif req.user is not None:
-            key = chat_key(req.user)
-            found = sessions.find(key, kind="chat")
-            if found is None:
+            held = sessions.find(chat_key(req.user), kind="chat")
+            if held is None:
                 sessions.reserve()
-                found = sessions.add(ContextWindow(engine, store=state.store), key=key, kind="chat")
-            window = found.window
-        key = req.session or req.user
-        start = await worker.run_keyed(key, chat_ops.start_chat, engine, window, req, params, limits)
+                held = sessions.add(ContextWindow(engine, store=state.store), key=chat_key(req.user), kind="chat")
+        if held is None:  # a window for this request only: nothing is held once it ends
+            start = await worker.run_keyed(None, chat_ops.start_chat, engine, None, req, params, limits)
+        else:
+            w = held.window
+            start = await on_window(held.id, w, chat_ops.start_chat, engine, w, req, params, limits, claim(held.id))
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -29,7 +29,7 @@ from ..chat_format import OpenTurnFormat
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
-from .ops import Limits, add_image, check_tokens, decode_image, first_piece, sampling_params
+from .ops import Claim, Limits, add_image, check_tokens, decode_image, first_piece, sampling_params
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
@@ -107,10 +107,12 @@ def _data_url_bytes(url: str, limits: Limits) -> bytes:
         raise InvalidInputError(f"bad image data: {exc}") from exc
 
 
-def sync_window(win: ContextWindow, items: list[Item], text_tokens: int, limits: Limits) -> None:
+def sync_window(
+    win: ContextWindow, items: list[Item], text_tokens: int, limits: Limits, claim: Claim | None = None
+) -> None:
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
-    (``text_tokens``: the tokens of its text items, counted by the caller)."""
-    check_tokens(win, text_tokens - win.tokens, limits)
+    (``text_tokens``: the tokens of its text items, counted by the caller; ``claim``: ``check_tokens``'s)."""
+    check_tokens(win, text_tokens - win.tokens, limits, claim)
     ids: list[str] = []
     seen: dict[str, int] = {}
     for item in items:
@@ -236,11 +238,16 @@ def _fit_answer(engine: Engine, req: ChatCompletionRequest, params: SamplingPara
 
 
 def start_chat(
-    engine: Engine, win: ContextWindow | None, req: ChatCompletionRequest, params: SamplingParams, limits: Limits
+    engine: Engine,
+    win: ContextWindow | None,
+    req: ChatCompletionRequest,
+    params: SamplingParams,
+    limits: Limits,
+    claim: Claim | None = None,
 ) -> ChatStart:
     """One worker job: sync the window to the messages, prefill the prompt, decode the first piece.
 
-    ``win=None``: a window for this request only.
+    ``win=None``: a window for this request only. ``claim``: the server's count of ``win`` (``check_tokens``).
     """
     fmt = turn_format(engine)
     items = [item for m in req.messages[:-1] for item in message_items(m, limits, fmt)]
@@ -264,7 +271,7 @@ def start_chat(
         win = ContextWindow(engine)
     if win is not None:
         before = win.stats()
-        sync_window(win, items, text_tokens, limits)
+        sync_window(win, items, text_tokens, limits, claim)
         if not known:  # images and budgets counted
             _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))
     if win is not None and len(win):

@@ -34,9 +34,10 @@ def serve(
     kv_budget_bytes: int | None = None,
     step_tokens: int | None = None,
     max_batch_rows: int | None = None,
+    max_held_tokens: int | None = None,
 ) -> int:
     """Serve ``engine`` until interrupted; returns the exit code. ``api_key`` defaults to ``$KAMERA_API_KEY``;
-    ``batch``, ``kv_budget_bytes``, ``step_tokens`` and ``max_batch_rows`` are ``create_app``'s.
+    ``batch``, ``kv_budget_bytes``, ``step_tokens``, ``max_batch_rows`` and ``max_held_tokens`` are ``create_app``'s.
 
     On SIGINT/SIGTERM uvicorn stops accepting, lets requests in flight finish, then the app's lifespan
     stops the model worker and flushes the store.
@@ -56,6 +57,7 @@ def serve(
         kv_budget_bytes=kv_budget_bytes,
         step_tokens=step_tokens,
         max_batch_rows=max_batch_rows,
+        max_held_tokens=max_held_tokens,
     )
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on"

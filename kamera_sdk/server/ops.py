@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from .worker import streams_from_scheduler
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one request or session may ask of the server."""
+    """What one request or session may ask of the server (``max_held_tokens``: all sessions' windows together)."""
 
     max_body_bytes: int = 2 << 20
     max_image_bytes: int = 8 << 20
@@ -32,6 +33,11 @@ class Limits:
     max_new_tokens: int = 1024
     max_session_tokens: int = 32768
     session_ttl_s: float | None = 3600.0
+    max_held_tokens: int | None = None
+
+
+#: ``HeldTokens.claim`` bound to one session: let its window grow to this many tokens, or raise.
+Claim = Callable[[int], None]
 
 
 def window_state(session_id: str, win: ContextWindow) -> WindowState:
@@ -39,13 +45,17 @@ def window_state(session_id: str, win: ContextWindow) -> WindowState:
     return WindowState(session=session_id, policy=win.policy.name, chunks=chunks, evicted=evicted, tokens=win.tokens)
 
 
-def check_tokens(win: ContextWindow, extra: int, limits: Limits) -> None:
-    """Refuse content that would take the window past ``max_session_tokens``."""
-    if win.tokens + extra > limits.max_session_tokens:
+def check_tokens(win: ContextWindow, extra: int, limits: Limits, claim: Claim | None = None) -> None:
+    """Refuse content that would take the window past ``max_session_tokens`` (413) or, through ``claim``,
+    the sessions together past ``max_held_tokens`` (429)."""
+    total = win.tokens + extra
+    if total > limits.max_session_tokens:
         raise PayloadTooLargeError(
-            f"the window would hold {win.tokens + extra} tokens; this server allows {limits.max_session_tokens} "
+            f"the window would hold {total} tokens; this server allows {limits.max_session_tokens} "
             "per session (evict or slide first)"
         )
+    if claim is not None:
+        claim(total)
 
 
 def decode_image(data: str, limits: Limits) -> bytes:
@@ -66,18 +76,32 @@ def add_image(win: ContextWindow, image: bytes) -> str:
     return str(add(image))
 
 
-def add_chunk(session_id: str, win: ContextWindow, req: ChunkAdd, limits: Limits) -> tuple[str, WindowState]:
+def add_chunk(
+    session_id: str, win: ContextWindow, req: ChunkAdd, limits: Limits, claim: Claim | None = None
+) -> tuple[str, WindowState]:
     if req.text is not None:
         if content_id("text", req.text.encode()) not in win:
-            check_tokens(win, len(win.engine.tokenize(req.text)), limits)
+            check_tokens(win, len(win.engine.tokenize(req.text)), limits, claim)
         cid = str(win.add_text(req.text))
     elif req.token_ids is not None:
-        check_tokens(win, len(req.token_ids), limits)
+        check_tokens(win, len(req.token_ids), limits, claim)
         cid = str(win.add(req.token_ids, kind=req.kind))
     else:
         assert req.image_base64 is not None  # the schema admits exactly one kind of content
-        cid = add_image(win, decode_image(req.image_base64, limits))
+        image = decode_image(req.image_base64, limits)
+        check_tokens(win, 1, limits, claim)  # its size is known once encoded: at least one token must fit
+        cid = add_image(win, image)
     return cid, window_state(session_id, win)
+
+
+def recall(
+    session_id: str, win: ContextWindow, chunk: str, at: int | None, limits: Limits, claim: Claim | None = None
+) -> WindowState:
+    """Re-admit an evicted chunk, checked against the token limits like new content."""
+    if chunk in win.evicted and chunk not in win:  # anything else gets recall's own error
+        check_tokens(win, len(win.chunk(chunk)), limits, claim)
+    win.recall(chunk, at)
+    return window_state(session_id, win)
 
 
 def logprobs(win: ContextWindow, prompt: str | list[int], top_k: int | None) -> LogprobsResult:

@@ -153,6 +153,15 @@ class LogprobsResult(BaseModel):
     top: list[TopToken] | None = None
 
 
+class ServerStats(BaseModel):
+    """What the server's sessions hold, against its limits."""
+
+    sessions: int = Field(description="open sessions, chat windows included")
+    max_sessions: int
+    held_tokens: int = Field(description="tokens all sessions' windows hold (or have claimed) together")
+    max_held_tokens: int | None = Field(description="the bound of held_tokens (null: no limit)")
+
+
 class Health(BaseModel):
     """Liveness: the server is up and which model it serves."""
 

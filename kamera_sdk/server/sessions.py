@@ -19,6 +19,7 @@ from typing import Literal
 
 from ..window import ContextWindow
 from .errors import LimitExceededError, SessionNotFoundError
+from .held import HeldTokens
 
 SessionKind = Literal["session", "chat"]
 
@@ -48,17 +49,25 @@ class SessionRegistry:
     """Open sessions, bounded in number and idle time.
 
     When full, the least recently used chat windows (rebuilt from messages on their next request)
-    make room first; explicit sessions are only dropped by ``DELETE`` or after ``ttl_s`` idle.
+    make room first; explicit sessions are only dropped by ``DELETE`` or after ``ttl_s`` idle. ``held``
+    counts the tokens of every registered session's window (``held.py``).
     """
 
     def __init__(
-        self, max_sessions: int, ttl_s: float | None, on_drop: Callable[[ContextWindow], None] | None = None
+        self,
+        max_sessions: int,
+        ttl_s: float | None,
+        on_drop: Callable[[ContextWindow], None] | None = None,
+        *,
+        max_held_tokens: int | None = None,
     ) -> None:
         """``on_drop``: called with the window of every session that is deleted, expired or displaced (the
-        server closes it on its model worker; the registry itself never touches a window)."""
+        server closes it on its model worker; the registry itself never touches a window).
+        ``max_held_tokens``: the bound of ``held`` (None: counted, never refused)."""
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.on_drop = on_drop
+        self.held = HeldTokens(max_held_tokens)
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -79,6 +88,7 @@ class SessionRegistry:
         """Register ``window`` under a fresh id (or ``key``); call ``reserve`` first."""
         session = Session(key or new_session_id(), window, kind)
         self._sessions[session.id] = session
+        self.held.open(session.id)
         return session
 
     def get(self, session_id: str, *, kind: SessionKind = "session") -> Session:
@@ -114,5 +124,6 @@ class SessionRegistry:
     def _drop(self, session_id: str) -> None:
         """Forget a session and hand its window to ``on_drop``."""
         session = self._sessions.pop(session_id)
+        self.held.close(session_id)
         if self.on_drop is not None:
             self.on_drop(session.window)

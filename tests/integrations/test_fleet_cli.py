@@ -56,7 +56,7 @@ def test_fleet_up_serves_and_stops(tmp_path: Path, redis_url: str) -> None:
     port = _free_port()
     cmd = [sys.executable, "-c", CLI, "fleet", "up", "--store", redis_url, "--replicas", "1", "--num-cpus", "2",
            "--replica-cpus", "0.5", "--port", str(port), "--model", str(model), "--secret", "k" * 32,
-           "--kv-budget", "1GiB", "--step-tokens", "96"]  # fmt: skip
+           "--kv-budget", "1GiB", "--step-tokens", "96", "--max-held-tokens", "4096"]  # fmt: skip
     log = (tmp_path / "fleet-up.log").open("w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
@@ -68,6 +68,7 @@ def test_fleet_up_serves_and_stops(tmp_path: Path, redis_url: str) -> None:
         url = f"http://127.0.0.1:{port}"
         limits = httpx.get(f"{url}/v1/engine/stats", timeout=30).raise_for_status().json()
         assert (limits["kv_budget_bytes"], limits["step_tokens"], limits["max_rows"]) == (1 << 30, 96, 64)
+        assert httpx.get(f"{url}/v1/server/stats", timeout=30).raise_for_status().json()["max_held_tokens"] == 4096
         with RemoteWindow(url, timeout=120) as w:
             w.add_text("The fleet was started by its command line.")
             answer = w.generate("Summarise.", max_new_tokens=5)

@@ -149,6 +149,22 @@ def test_serve_passes_them_on_and_refuses_them_without_batching(monkeypatch, cap
     assert len(served) == 2
 
 
+def test_serve_takes_the_held_tokens_limit_with_or_without_batching(monkeypatch, capsys) -> None:
+    import kamera_sdk.cli as cli
+    import kamera_sdk.server.cli as server_cli
+
+    served: list[dict] = []
+    monkeypatch.setattr(cli, "_engine", lambda args: SimpleNamespace(batchable=False))
+    monkeypatch.setattr(server_cli, "serve", lambda engine, **kw: served.append(kw) or 0)
+    assert main(["serve", "--max-held-tokens", "200000"]) == 0
+    assert main(["serve", "--no-batch", "--max-held-tokens", "64"]) == 0  # a server limit, not a batching one
+    assert main(["serve"]) == 0
+    assert [kw.get("max_held_tokens") for kw in served] == [200000, 64, None]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--max-held-tokens", "0"])
+    assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
 def test_fleet_up_takes_the_batching_flags_and_refuses_a_contradiction_before_ray(monkeypatch, capsys) -> None:
     import kamera_sdk.fleet_cli as fleet_cli
 
@@ -160,6 +176,8 @@ def test_fleet_up_takes_the_batching_flags_and_refuses_a_contradiction_before_ra
     assert started == [{"batch": True, "kv_budget_bytes": 1 << 30, "max_batch_rows": 8}]
     assert main(["fleet", "up", "--store", "redis://127.0.0.1:1/0", "--no-batch"]) == 0
     assert started[-1] == {"batch": False}
+    assert main(["fleet", "up", "--store", "redis://127.0.0.1:1/0", "--max-held-tokens", "4096"]) == 0
+    assert started[-1] == {"batch": True, "max_held_tokens": 4096}  # each replica's bound
 
     def no_fleet(name: str) -> None:
         raise AssertionError("Ray must not start for a refused command line")

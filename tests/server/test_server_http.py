@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kamera_engine import Engine
+from kamera_engine import Engine, InvalidInputError
 from kamera_sdk import ContextWindow
 from kamera_sdk.server.chat import turn_format
 from tests.server.conftest import MAX_BODY, LiveServer, make_app
@@ -144,6 +145,48 @@ def test_session_limit_and_clean_shutdown(default_engine: Engine) -> None:
     assert len(state.sessions) == 0  # the lifespan shut the worker down and dropped the sessions
     with pytest.raises(RuntimeError):
         state.worker._pool.submit(print)
+
+
+def test_the_sessions_together_hold_at_most_max_held_tokens(default_engine: Engine) -> None:
+    """Adds, recalls, forks and chat messages past the server-wide bound get 429 and change nothing;
+    slides, evictions and deletions give tokens back; ``/v1/server/stats`` reports the count."""
+    models = sum(t.name == "kamera-model" for t in threading.enumerate())
+    for bad in (0, -5):
+        with pytest.raises(InvalidInputError, match=f"max_held_tokens must be an int >= 1 or None, got {bad}"):
+            make_app(default_engine, max_held_tokens=bad)
+    assert sum(t.name == "kamera-model" for t in threading.enumerate()) == models  # refused before any start
+    app = make_app(default_engine, api_key=None, max_held_tokens=20)
+    with TestClient(app) as c:
+
+        def add(sid: str, first: int) -> httpx.Response:  # a chunk of 8 token ids
+            return c.post(f"/v1/sessions/{sid}/chunks", json={"token_ids": list(range(first, first + 8))})
+
+        def held() -> int:
+            stats = c.get("/v1/server/stats").json()
+            assert (stats["max_held_tokens"], stats["max_sessions"]) == (20, 256)
+            return int(stats["held_tokens"])
+
+        a, b = (c.post("/v1/sessions").json()["id"] for _ in range(2))
+        oldest = add(a, 1000).json()["chunk"]
+        assert add(a, 2000).status_code == 201 and held() == 16
+        message = error(add(b, 3000), 429, "LimitExceededError")  # type: ignore[arg-type]
+        assert "the sessions would hold 24 tokens together; this server allows 20" in message
+        assert c.get(f"/v1/sessions/{b}").json()["tokens"] == 0 and held() == 16
+        error(c.post(f"/v1/sessions/{a}/fork"), 429, "LimitExceededError")  # type: ignore[arg-type]
+        assert c.get("/v1/server/stats").json()["sessions"] == 2  # the refused fork left no session behind
+        assert c.post(f"/v1/sessions/{a}/slide").json()["removed"] == [oldest] and held() == 8
+        assert add(b, 3000).status_code == 201 and held() == 16
+        error(c.post(f"/v1/sessions/{a}/recall", json={"chunk": oldest}), 429, "LimitExceededError")  # type: ignore[arg-type]
+        assert c.get(f"/v1/sessions/{a}").json()["evicted"] == [oldest] and held() == 16
+        long = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)  # about 30 tokens
+        messages = [{"role": "user", "content": long}, {"role": "user", "content": "And?"}]
+        r = c.post("/v1/chat/completions", json={"user": "u", "messages": messages, "max_tokens": 1})
+        error(r, 429, "LimitExceededError")  # type: ignore[arg-type]
+        assert held() == 16
+        assert c.delete(f"/v1/sessions/{b}").status_code == 204 and held() == 8
+        assert c.post(f"/v1/sessions/{a}/recall", json={"chunk": oldest}).json()["tokens"] == 16
+        assert c.post(f"/v1/sessions/{a}/evict", json={"chunk": oldest}).json()["tokens"] == 8 and held() == 8
+        assert c.post(f"/v1/sessions/{a}/fork").status_code == 201 and held() == 16
 
 
 def chat(http: httpx.Client, **body: Any) -> httpx.Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from kamera_sdk.server import (
     SessionNotFoundError,
 )
 from kamera_sdk.server.errors import error_body, error_from_response, status_for
+from kamera_sdk.server.held import HeldTokens
 from kamera_sdk.server.sessions import SessionRegistry, chat_key
 from kamera_sdk.server.sse import SSEDecoder, encode_event
 from kamera_sdk.server.worker import ModelWorker
@@ -78,6 +80,72 @@ def test_registry_limits_ttl_and_kinds() -> None:
     reg.ttl_s = 0.0
     reg.reserve()  # everything idle for longer than 0 s expired
     assert len(reg) == 0
+
+
+def test_held_tokens_claim_settle_and_forget() -> None:
+    held = HeldTokens(100)
+    held.open("a")
+    held.open("b")
+    held.claim("a", 60)
+    with pytest.raises(LimitExceededError, match="would hold 101 tokens together; this server allows 100"):
+        held.claim("b", 41)
+    assert held.total == 60  # a refused claim changes no count
+    held.claim("b", 40)
+    held.claim("a", 30)  # a claim below the count keeps it: the window has not shrunk yet
+    assert held.total == 100
+    held.settle("a", 20)  # after the job: what the window holds
+    held.claim("b", 80)
+    held.close("b")
+    held.settle("b", 50)  # a job that ends after its session was dropped records nothing
+    held.claim("b", 10**9)  # nor is a claim of a dropped session counted
+    assert held.total == 20
+    held.open("a")  # opening a counted key keeps its count
+    assert held.total == 20
+    unbounded = HeldTokens()
+    unbounded.open("x")
+    unbounded.claim("x", 10**12)
+    assert unbounded.total == 10**12
+    for bad in (0, -1, 1.5, True, "100"):
+        with pytest.raises(InvalidInputError, match="max_held_tokens must be an int >= 1 or None"):
+            HeldTokens(bad)  # type: ignore[arg-type]
+
+
+def test_held_tokens_never_pass_the_limit_under_concurrent_claims() -> None:
+    """32 threads each claim 10 tokens at once against a limit of 95: exactly 9 claims win."""
+    held = HeldTokens(95)
+    for k in range(32):
+        held.open(k)
+    start = threading.Barrier(32)
+    won: list[int] = []
+
+    def claim(k: int) -> None:
+        start.wait()
+        try:
+            held.claim(k, 10)
+            won.append(k)
+        except LimitExceededError:
+            pass
+
+    threads = [threading.Thread(target=claim, args=(k,)) for k in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 9 and held.total == 90
+
+
+def test_the_registry_counts_the_sessions_it_holds() -> None:
+    reg = SessionRegistry(max_sessions=4, ttl_s=None, max_held_tokens=50)
+    a = reg.add(object())  # type: ignore[arg-type]
+    reg.held.claim(a.id, 30)
+    b = reg.add(object(), key=chat_key("u"), kind="chat")  # type: ignore[arg-type]
+    with pytest.raises(LimitExceededError):
+        reg.held.claim(b.id, 21)
+    reg.delete(a.id)  # its tokens are given back with it
+    reg.held.claim(b.id, 50)
+    assert reg.held.total == 50
+    reg.clear()
+    assert reg.held.total == 0
 
 
 def test_worker_runs_in_order_and_closes_iterators() -> None:
