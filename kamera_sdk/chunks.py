@@ -10,6 +10,7 @@ are immutable once written, so sharing needs no copies.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -29,6 +30,11 @@ Antecedent = tuple[ChunkId, ...]
 def content_id(kind: str, payload: bytes) -> ChunkId:
     """Stable content hash (hex, 32 chars) of a chunk's kind and bytes."""
     return ChunkId(hashlib.blake2b(kind.encode() + b"\0" + payload, digest_size=16).hexdigest())
+
+
+def tokens_id(kind: str, token_ids: Sequence[int]) -> ChunkId:
+    """The content id of a pre-tokenised chunk of ``kind`` (``ContextWindow.add``): its ids as int64 bytes."""
+    return content_id(kind, array("q", token_ids).tobytes())
 
 
 def sequence_digest(parts: Sequence[str]) -> str:

@@ -40,7 +40,7 @@ from kamera_engine.runner import Prefilled
 from . import vision
 from .aio import in_background, to_thread
 from .background import BackgroundQueue, IdleWorker, Phase, Task, gate_of
-from .chunks import VISION_KINDS, Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id
+from .chunks import VISION_KINDS, Antecedent, Chunk, ChunkId, ChunkTable, PatchKind, StoredPatch, content_id, tokens_id
 from .compress import CompressionPolicy, make_compressor
 from .compress.runner import Compressed, decode_compressed, prefill_compressed
 from .config import WindowConfig
@@ -293,10 +293,14 @@ class ContextWindow:
             raise InvalidInputError(f"copy must be an int >= 0, got {copy!r}")
         if k:
             return self.add(self.engine.tokenize(text), kind=f"text#{k}", text=text)
-        cid = content_id("text", text.encode())
+        cid = self.text_id(text)
         known = self.known(cid)
         (chunk_id,) = self.admit(known or Chunk(cid, "text", self.engine.tokenize(text), text=text))
         return chunk_id
+
+    def text_id(self, text: str, *, copy: int = 0) -> ChunkId:
+        """The content id ``add_text(text, copy=copy)`` gives, without adding anything."""
+        return content_id("text", text.encode()) if not copy else tokens_id(f"text#{copy}", self.engine.tokenize(text))
 
     @foreground()
     def add_document(self, text: str, *, max_chunk_tokens: int | None = None) -> list[ChunkId]:
@@ -333,7 +337,7 @@ class ContextWindow:
         if not isinstance(kind, str) or not kind or kind in VISION_KINDS:
             raise InvalidInputError(f"add() takes a text kind, not {kind!r}; images and video: add_image / add_video")
         ids = self._token_ids(token_ids, "a chunk")
-        cid = content_id(kind, torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        cid = tokens_id(kind, ids)
         (chunk_id,) = self.admit(self.known(cid) or Chunk(cid, kind, ids, text=text))
         return chunk_id
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -94,6 +95,7 @@ from .sse import encode_event
 from .worker import ModelWorker
 
 T = TypeVar("T")
+log = logging.getLogger("kamera.server")
 
 #: Paths served without an API key.
 OPEN_PATHS = frozenset({"/healthz"})
@@ -355,7 +357,10 @@ def create_app(
             try:
                 return fn(*args)
             finally:
-                sessions.held.settle(key, window.tokens)
+                try:
+                    sessions.held.settle(key, ops.held_tokens(window))
+                except Exception:  # never in place of the job's own outcome; the next job settles it
+                    log.exception("counting the tokens of session %s failed", key)
 
         return await worker.run_keyed(key, job)
 
@@ -386,7 +391,7 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/recall", response_model=WindowState)
     async def recall(session_id: str, req: RecallRequest) -> WindowState:
         s = sessions.get(session_id)
-        return await on_window(s.id, s.window, ops.recall, s.id, s.window, req.chunk, req.at, limits, claim(s.id))
+        return await on_window(s.id, s.window, ops.recall, s.id, s.window, req.chunk, req.at, limits)
 
     @app.post("/v1/sessions/{session_id}/reorder", response_model=WindowState)
     async def reorder(session_id: str, req: ReorderRequest) -> WindowState:
@@ -407,12 +412,13 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/fork", response_model=SessionCreated, status_code=201)
     async def fork(session_id: str, _: ForkRequest | None = None) -> SessionCreated:
         s = sessions.get(session_id)
+        sessions.held.check(sessions.held.of(s.id))  # before reserve, which may displace a chat window
         sessions.reserve()  # before the fork: a refused fork leaves nothing behind
         child_id = new_session_id()
         sessions.held.open(child_id)  # the child's tokens are claimed before it exists
 
         def job() -> ContextWindow:
-            sessions.held.claim(child_id, s.window.tokens)
+            sessions.held.claim(child_id, ops.held_tokens(s.window))  # the count that decides
             return s.window.fork()
 
         try:
@@ -452,6 +458,7 @@ def create_app(
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         params = chat_ops.sampling(req, limits)
         held: Session | None = None  # the registered window the messages sync into, if any
+        made_here = False
         if req.session is not None:
             held = sessions.get(req.session)
         elif req.user is not None:
@@ -459,11 +466,17 @@ def create_app(
             if held is None:
                 sessions.reserve()
                 held = sessions.add(ContextWindow(engine, store=state.store), key=chat_key(req.user), kind="chat")
+                made_here = True
         if held is None:  # a window for this request only: nothing is held once it ends
             start = await worker.run_keyed(None, chat_ops.start_chat, engine, None, req, params, limits)
         else:
             w = held.window
-            start = await on_window(held.id, w, chat_ops.start_chat, engine, w, req, params, limits, claim(held.id))
+            try:
+                start = await on_window(held.id, w, chat_ops.start_chat, engine, w, req, params, limits, claim(held.id))
+            except BaseException:
+                if made_here:  # a chat window made for a refused request does not stay behind
+                    sessions.discard(held.id)
+                raise
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -29,7 +29,7 @@ from ..chat_format import OpenTurnFormat
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
-from .ops import Claim, Limits, add_image, check_tokens, decode_image, first_piece, sampling_params
+from .ops import Claim, Limits, add_image, check_tokens, claim_new, decode_image, first_piece, holds, sampling_params
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
@@ -111,8 +111,15 @@ def sync_window(
     win: ContextWindow, items: list[Item], text_tokens: int, limits: Limits, claim: Claim | None = None
 ) -> None:
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
-    (``text_tokens``: the tokens of its text items, counted by the caller; ``claim``: ``check_tokens``'s)."""
-    check_tokens(win, text_tokens - win.tokens, limits, claim)
+    (``text_tokens``: the tokens of its text items, counted by the caller; ``claim``: ``claim_new``'s)."""
+    check_tokens(win, text_tokens - win.tokens, limits)
+    new = 0  # tokens of the messages the window does not hold yet (a repeated message is a copy: one more)
+    copies: dict[str, int] = {}
+    for text in (item for item in items if isinstance(item, str)):
+        k = copies[text] = copies.get(text, -1) + 1
+        if not holds(win, win.text_id(text, copy=k)):
+            new += len(win.engine.tokenize(text))
+    claim_new(win, new, claim)
     ids: list[str] = []
     seen: dict[str, int] = {}
     for item in items:

@@ -12,7 +12,7 @@ The server adds a few errors to Kamera's tree (``kamera_engine.errors``)::
     └── RemoteError                        the server or the way to it (status 0: no HTTP answer)
         ├── AuthenticationError            401  missing or wrong API key
         ├── SessionNotFoundError           404  unknown (or deleted) session id
-        └── LimitExceededError             429  too many sessions
+        └── LimitExceededError             429  too many sessions, or tokens held (max_held_tokens)
 
 Every error response has the body ``{"error": {"type": <class name>, "message": <text>}}``; the
 client raises the class named by ``type`` again, so remote code catches the same exceptions as local.

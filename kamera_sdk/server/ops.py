@@ -16,7 +16,7 @@ import torch
 from kamera_engine import Grammar, InvalidInputError, SamplingParams, TextStream, UnsupportedModelError
 from kamera_engine.decode import stop_strings
 
-from ..chunks import content_id
+from ..chunks import tokens_id
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .schemas import ChunkAdd, GenerateRequest, LogprobsResult, TopToken, WindowState
@@ -36,7 +36,7 @@ class Limits:
     max_held_tokens: int | None = None
 
 
-#: ``HeldTokens.claim`` bound to one session: let its window grow to this many tokens, or raise.
+#: ``HeldTokens.claim`` bound to one session: let it hold this many tokens, or raise.
 Claim = Callable[[int], None]
 
 
@@ -45,17 +45,32 @@ def window_state(session_id: str, win: ContextWindow) -> WindowState:
     return WindowState(session=session_id, policy=win.policy.name, chunks=chunks, evicted=evicted, tokens=win.tokens)
 
 
-def check_tokens(win: ContextWindow, extra: int, limits: Limits, claim: Claim | None = None) -> None:
-    """Refuse content that would take the window past ``max_session_tokens`` (413) or, through ``claim``,
-    the sessions together past ``max_held_tokens`` (429)."""
+def held_tokens(win: ContextWindow) -> int:
+    """Tokens whose KV a window holds: its chunks', and its evicted (slid) chunks', which it can recall (their
+    canonicals stay). What ``max_held_tokens`` counts: an eviction frees none of them."""
+    return win.tokens + sum(len(win.chunk(c)) for c in win.evicted)
+
+
+def holds(win: ContextWindow, chunk_id: str) -> bool:
+    """Whether ``win`` holds ``chunk_id`` already (in it or evicted): adding it again holds nothing new."""
+    return chunk_id in win or chunk_id in win.evicted
+
+
+def check_tokens(win: ContextWindow, extra: int, limits: Limits) -> None:
+    """Refuse content that would take the window past ``max_session_tokens`` (413)."""
     total = win.tokens + extra
     if total > limits.max_session_tokens:
         raise PayloadTooLargeError(
             f"the window would hold {total} tokens; this server allows {limits.max_session_tokens} "
             "per session (evict or slide first)"
         )
-    if claim is not None:
-        claim(total)
+
+
+def claim_new(win: ContextWindow, new: int, claim: Claim | None) -> None:
+    """Refuse ``new`` tokens the window would hold beyond what it holds now, if they would take the sessions
+    together past ``max_held_tokens`` (429, through ``claim``)."""
+    if claim is not None and new:
+        claim(held_tokens(win) + new)
 
 
 def decode_image(data: str, limits: Limits) -> bytes:
@@ -80,26 +95,34 @@ def add_chunk(
     session_id: str, win: ContextWindow, req: ChunkAdd, limits: Limits, claim: Claim | None = None
 ) -> tuple[str, WindowState]:
     if req.text is not None:
-        if content_id("text", req.text.encode()) not in win:
-            check_tokens(win, len(win.engine.tokenize(req.text)), limits, claim)
-        cid = str(win.add_text(req.text))
+        cid = win.text_id(req.text)
+        if cid not in win:
+            n = len(win.engine.tokenize(req.text))
+            check_tokens(win, n, limits)
+            claim_new(win, 0 if holds(win, cid) else n, claim)  # an evicted chunk comes back: nothing new
+        cid = win.add_text(req.text)
     elif req.token_ids is not None:
-        check_tokens(win, len(req.token_ids), limits, claim)
-        cid = str(win.add(req.token_ids, kind=req.kind))
+        check_tokens(win, len(req.token_ids), limits)
+        try:
+            known = holds(win, tokens_id(req.kind, req.token_ids))
+        except OverflowError:  # not token ids: the add refuses them
+            known = False
+        claim_new(win, 0 if known else len(req.token_ids), claim)
+        cid = win.add(req.token_ids, kind=req.kind)
     else:
         assert req.image_base64 is not None  # the schema admits exactly one kind of content
         image = decode_image(req.image_base64, limits)
-        check_tokens(win, 1, limits, claim)  # its size is known once encoded: at least one token must fit
-        cid = add_image(win, image)
-    return cid, window_state(session_id, win)
+        check_tokens(win, 1, limits)  # its size is known once it is encoded: at least one token must fit
+        claim_new(win, 1, claim)
+        return add_image(win, image), window_state(session_id, win)
+    return str(cid), window_state(session_id, win)
 
 
-def recall(
-    session_id: str, win: ContextWindow, chunk: str, at: int | None, limits: Limits, claim: Claim | None = None
-) -> WindowState:
-    """Re-admit an evicted chunk, checked against the token limits like new content."""
+def recall(session_id: str, win: ContextWindow, chunk: str, at: int | None, limits: Limits) -> WindowState:
+    """Re-admit an evicted chunk, checked against ``max_session_tokens`` like new content (the window held
+    its KV all along, and ``max_held_tokens`` counted it)."""
     if chunk in win.evicted and chunk not in win:  # anything else gets recall's own error
-        check_tokens(win, len(win.chunk(chunk)), limits, claim)
+        check_tokens(win, len(win.chunk(chunk)), limits)
     win.recall(chunk, at)
     return window_state(session_id, win)
 

@@ -110,6 +110,11 @@ class SessionRegistry:
         self.get(session_id)
         self._drop(session_id)
 
+    def discard(self, key: str) -> None:
+        """Drop the session or chat window ``key`` if the registry holds it."""
+        if key in self._sessions:
+            self._drop(key)
+
     def clear(self) -> None:
         for sid in list(self._sessions):
             self._drop(sid)

@@ -623,3 +623,16 @@ def test_a_copy_of_a_text_is_a_chunk_of_its_own() -> None:
     with pytest.raises(InvalidInputError, match="copy must be an int >= 0"):
         win.add_text("x", copy=-1)
     assert win.chunks == [first, copy]
+    assert (win.text_id("The sky is blue."), win.text_id("The sky is blue.", copy=1)) == (first, copy)
+    assert win.chunks == [first, copy]  # asking adds nothing
+
+
+def test_a_token_chunk_id_is_its_ids_as_int64_bytes() -> None:
+    """``tokens_id`` names a chunk as it always has (stored canonicals are found by it): the hash of its
+    kind and its ids as int64 in the machine's order."""
+    from kamera_sdk.chunks import content_id, tokens_id
+
+    for ids in ([], [0], [1, 2, 3], [49151, 7, 2**40, -1]):
+        want = content_id("tokens", torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        assert tokens_id("tokens", ids) == want
+    assert tokens_id("text#1", [5]) != tokens_id("tokens", [5])

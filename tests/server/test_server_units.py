@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -100,6 +101,10 @@ def test_held_tokens_claim_settle_and_forget() -> None:
     held.claim("b", 10**9)  # nor is a claim of a dropped session counted
     assert held.total == 20
     held.open("a")  # opening a counted key keeps its count
+    assert held.total == 20 and held.of("a") == 20 and held.of("b") == 0
+    held.check(80)  # an early check records nothing
+    with pytest.raises(LimitExceededError, match="would hold 101 tokens"):
+        held.check(81)
     assert held.total == 20
     unbounded = HeldTokens()
     unbounded.open("x")
@@ -110,9 +115,20 @@ def test_held_tokens_claim_settle_and_forget() -> None:
             HeldTokens(bad)  # type: ignore[arg-type]
 
 
+class _SlowCounts(dict):
+    """A dict whose sum is slow to read: a claim that read the counts and wrote its own without the lock
+    would let many threads pass together."""
+
+    def values(self):  # type: ignore[override]
+        counts = list(super().values())  # read now, used after others had their turn
+        time.sleep(0.002)
+        return counts
+
+
 def test_held_tokens_never_pass_the_limit_under_concurrent_claims() -> None:
     """32 threads each claim 10 tokens at once against a limit of 95: exactly 9 claims win."""
     held = HeldTokens(95)
+    held._held = _SlowCounts()  # widens the window a missing lock would leave open
     for k in range(32):
         held.open(k)
     start = threading.Barrier(32)
@@ -144,6 +160,11 @@ def test_the_registry_counts_the_sessions_it_holds() -> None:
     reg.delete(a.id)  # its tokens are given back with it
     reg.held.claim(b.id, 50)
     assert reg.held.total == 50
+    reg.discard(b.id)  # any kind; a key it does not hold is no error
+    reg.discard(b.id)
+    assert reg.held.total == 0 and len(reg) == 0
+    b = reg.add(object(), key=chat_key("u"), kind="chat")  # type: ignore[arg-type]
+    reg.held.claim(b.id, 50)
     reg.clear()
     assert reg.held.total == 0
 
