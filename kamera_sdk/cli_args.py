@@ -108,7 +108,8 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
         type=positive,
         default=None,
         metavar="N",
-        help="tokens all sessions' windows may hold together; content past it gets 429 (default: no limit)",
+        help="tokens all sessions may hold together (placed, and content seen); content past it gets 429 "
+        "(default: no limit)",
     )
 
 

@@ -252,6 +252,12 @@ class ContextWindow:
         """Tokens in the window, chunks only (the chat anchor and prompt excluded)."""
         return sum(len(self._table.get(s.chunk_id)) for s in self._state.slots)
 
+    @property
+    def content_tokens(self) -> int:
+        """Tokens of all content this window and its branches have seen: in a window, evicted (recallable) or
+        a branch's. Their canonicals stay while any branch of the window lives."""
+        return sum(len(c) for c in self._table.values())
+
     def __len__(self) -> int:
         return len(self._state.slots)
 

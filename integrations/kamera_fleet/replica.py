@@ -240,7 +240,8 @@ class KameraReplica:
         window, tokens, held = await self.state.worker.run(self._build, record)
         self.state.sessions.reserve()
         self.state.sessions.add(window, key=session)
-        self.state.sessions.held.settle(session, held)  # counted against max_held_tokens from now on
+        sessions = self.state.sessions
+        sessions.held.settle(session, held, sessions.held.ticket(session))  # counted against max_held_tokens
         self.versions[session], self.known[session] = record.version, set(record.chunks)
         self.options[session] = record.options
         self.rebuilt += 1
@@ -268,7 +269,7 @@ class KameraReplica:
         except JournalLostError as exc:
             window.close()
             raise JournalLostError(f"session {record.session} cannot be rebuilt: {exc}") from exc
-        return window, window.stats().ingest_tokens, window.tokens
+        return window, window.stats().ingest_tokens, self.state.held_tokens(window)
 
     async def _journal_after(self, session: str, req: dict[str, Any], status: int, body: bytes) -> None:
         """Journal the window of ``session`` (and a fork's child) when a request changed it."""

@@ -151,6 +151,9 @@ class ServerState:
         self.scheduler = scheduler
         self.worker = ModelWorker(self.scheduler)
 
+    #: What ``max_held_tokens`` counts for a session's window (read it on the window's own thread).
+    held_tokens = staticmethod(ops.held_tokens)
+
     def new_window(self, options: SessionCreate) -> ContextWindow:
         return ContextWindow(
             self.engine,
@@ -265,7 +268,7 @@ def create_app(
     ``api_key``: require ``Authorization: Bearer <api_key>`` on every path but ``/healthz``. Limits:
     request body bytes (413), decoded image bytes (413), open sessions (429), ``max_new_tokens`` per
     request (422), tokens per session window (413), idle seconds before a session expires, tokens all
-    sessions' windows hold together (``max_held_tokens``, 429; None: no limit).
+    sessions hold together (``max_held_tokens``: placed and seen, ``ops.held_tokens``; 429; None: no limit).
     ``batch``: decode every session's answers together in one scheduler (``False``: one forward per job,
     answers interleaved token by token). ``kv_budget_bytes``: KV the answers being decoded may hold;
     past it new answers wait in a bounded queue, then get 429 with ``Retry-After``. ``step_tokens``: most
@@ -323,7 +326,7 @@ def create_app(
 
     @app.get("/v1/server/stats", response_model=ServerStats)
     async def server_stats() -> ServerStats:
-        """Open sessions and the tokens their windows hold, against the server's limits."""
+        """Open sessions and the tokens they hold, against the server's limits."""
         held = sessions.held
         return ServerStats(
             sessions=len(sessions), max_sessions=limits.max_sessions, held_tokens=held.total, max_held_tokens=held.limit
@@ -352,13 +355,14 @@ def create_app(
 
     async def on_window(key: str, window: ContextWindow, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in ``key``'s lane, then count what ``window`` holds (``HeldTokens.settle``)."""
+        ticket = sessions.held.ticket(key)  # this session's, not a later one's under the same key
 
         def job() -> T:
             try:
                 return fn(*args)
             finally:
                 try:
-                    sessions.held.settle(key, ops.held_tokens(window))
+                    sessions.held.settle(key, ops.held_tokens(window), ticket)
                 except Exception:  # never in place of the job's own outcome; the next job settles it
                     log.exception("counting the tokens of session %s failed", key)
 
@@ -391,7 +395,7 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/recall", response_model=WindowState)
     async def recall(session_id: str, req: RecallRequest) -> WindowState:
         s = sessions.get(session_id)
-        return await on_window(s.id, s.window, ops.recall, s.id, s.window, req.chunk, req.at, limits)
+        return await on_window(s.id, s.window, ops.recall, s.id, s.window, req.chunk, req.at, limits, claim(s.id))
 
     @app.post("/v1/sessions/{session_id}/reorder", response_model=WindowState)
     async def reorder(session_id: str, req: ReorderRequest) -> WindowState:
@@ -415,7 +419,7 @@ def create_app(
         sessions.held.check(sessions.held.of(s.id))  # before reserve, which may displace a chat window
         sessions.reserve()  # before the fork: a refused fork leaves nothing behind
         child_id = new_session_id()
-        sessions.held.open(child_id)  # the child's tokens are claimed before it exists
+        sessions.held.open(child_id, family_of=s.id)  # the child's tokens are claimed before it exists
 
         def job() -> ContextWindow:
             sessions.held.claim(child_id, ops.held_tokens(s.window))  # the count that decides
@@ -426,7 +430,7 @@ def create_app(
         except BaseException:
             sessions.held.close(child_id)
             raise
-        child = sessions.add(child_window, key=child_id)
+        child = sessions.add(child_window, key=child_id, family_of=s.id)
         state_now = await on_window(child.id, child_window, ops.window_state, child.id, child_window)
         return SessionCreated(id=child.id, window=state_now)
 
@@ -471,12 +475,15 @@ def create_app(
             start = await worker.run_keyed(None, chat_ops.start_chat, engine, None, req, params, limits)
         else:
             w = held.window
+            held.users += 1
             try:
                 start = await on_window(held.id, w, chat_ops.start_chat, engine, w, req, params, limits, claim(held.id))
             except BaseException:
-                if made_here:  # a chat window made for a refused request does not stay behind
-                    sessions.discard(held.id)
+                if made_here and held.users == 1:  # a chat window made for a refused request does not stay
+                    sessions.discard(held)
                 raise
+            finally:
+                held.users -= 1
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -113,13 +113,13 @@ def sync_window(
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
     (``text_tokens``: the tokens of its text items, counted by the caller; ``claim``: ``claim_new``'s)."""
     check_tokens(win, text_tokens - win.tokens, limits)
-    new = 0  # tokens of the messages the window does not hold yet (a repeated message is a copy: one more)
+    unseen = 0  # tokens of the messages the window has not seen (a repeated message is a copy: one more)
     copies: dict[str, int] = {}
     for text in (item for item in items if isinstance(item, str)):
         k = copies[text] = copies.get(text, -1) + 1
         if not holds(win, win.text_id(text, copy=k)):
-            new += len(win.engine.tokenize(text))
-    claim_new(win, new, claim)
+            unseen += len(win.engine.tokenize(text))
+    claim_new(win, text_tokens - win.tokens + unseen, claim)  # placed after the sync, and the new content
     ids: list[str] = []
     seen: dict[str, int] = {}
     for item in items:

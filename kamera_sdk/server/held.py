@@ -1,22 +1,24 @@
 """The tokens every session holds, counted against the server's ``max_held_tokens``.
 
-A session's memory grows with the tokens its window holds: its chunks' KV as placed, their
-position-free canonicals, its buffers and row caches (docs/batching.md measured about 60 MB for each
-session of `kamera bench serve`, whose windows hold three pages of about 56 tokens). An evicted or slid
-chunk stays recallable, so its canonical stays too: a window holds its chunks' tokens and its evicted
-chunks' (``ops.held_tokens``), and only deleting the session gives them back. ``max_sessions`` times
-``max_session_tokens`` bounds none of this usefully (256 windows of 32768 tokens), so the server can bound
-the sum instead, refusing the content that would pass it with a 429 before anything changes.
+What a session holds (``ops.held_tokens``): its window's tokens (their KV as placed) and the content its
+window and its branches have seen (``ContextWindow.content_tokens``: the chunks' position-free canonicals,
+kept while any branch lives, evicted and slid chunks included: they stay recallable). An eviction gives
+back only the placed part; deleting a session gives back its count, except the content its family (the
+windows forked from one another) still holds: that stays counted until the family's last session goes.
+``max_sessions`` times ``max_session_tokens`` bounds none of this usefully (256 windows of 32768 tokens),
+so the server can bound the sum instead, refusing the content that would pass it with a 429 before
+anything changes.
 
 A session's count is raised before its window takes new content (``claim``, run in the session's lane,
 so nothing else changes that window meanwhile) and set to what the window holds after each of its jobs
 (``settle``). A count is never below what its window holds, so no interleaving lets the sum pass the
-limit. Only the sessions the registry holds are counted (``open`` / ``close``): a job that finishes
-after its session was deleted records nothing.
+limit. Only the sessions the registry holds are counted (``open`` / ``close``); a job settles only the
+session it was started for (``ticket``), not a later one under the same key.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Hashable
 
@@ -34,22 +36,50 @@ class HeldTokens:
         self.limit = limit
         self._lock = threading.Lock()
         self._held: dict[Hashable, int] = {}
+        self._ticket: dict[Hashable, int] = {}  # which opening of a key a job belongs to
+        self._tickets = itertools.count(1)
+        self._family: dict[Hashable, object] = {}  # key -> its family (sessions forked from one another)
+        self._members: dict[object, set[Hashable]] = {}
+        self._left: dict[object, int] = {}  # a family's content counted for its sessions that are gone
 
     @property
     def total(self) -> int:
         """Tokens the counted sessions hold (or have claimed) together."""
         with self._lock:
-            return sum(self._held.values())
+            return self._sum()
 
-    def open(self, key: Hashable) -> None:
-        """Start counting ``key`` (at 0 tokens; a key already counted keeps its count)."""
+    def open(self, key: Hashable, *, family_of: Hashable | None = None) -> int:
+        """Start counting ``key`` at 0 tokens (a key already counted keeps its count and ticket); returns the
+        ticket its jobs settle with. ``family_of``: the session ``key`` was forked from."""
         with self._lock:
-            self._held.setdefault(key, 0)
+            if key not in self._held:
+                self._held[key] = 0
+                self._ticket[key] = next(self._tickets)
+                family = self._family.get(family_of, object()) if family_of is not None else object()
+                self._family[key] = family
+                self._members.setdefault(family, set()).add(key)
+            return self._ticket[key]
+
+    def ticket(self, key: Hashable) -> int | None:
+        """The ticket of ``key``'s current opening (None if it is not counted)."""
+        with self._lock:
+            return self._ticket.get(key)
 
     def close(self, key: Hashable) -> None:
-        """Stop counting ``key``: its window is gone."""
+        """Stop counting ``key``: its window is gone, but what its family still holds stays counted."""
         with self._lock:
-            self._held.pop(key, None)
+            count = self._held.pop(key, None)
+            if count is None:
+                return
+            del self._ticket[key]
+            family = self._family.pop(key)
+            members = self._members[family]
+            members.discard(key)
+            if members:  # the others share its content: its count stands for it while they live
+                self._left[family] = max(self._left.get(family, 0), count)
+            else:
+                del self._members[family]
+                self._left.pop(family, None)
 
     def of(self, key: Hashable) -> int:
         """The count of ``key`` (0 if it is not counted)."""
@@ -60,18 +90,28 @@ class HeldTokens:
         """Raise ``LimitExceededError`` if ``more`` tokens on top of the counts would pass the limit (records
         nothing: an early refusal, before work whose own ``claim`` decides)."""
         with self._lock:
-            self._refuse(sum(self._held.values()) + more)
+            self._refuse(self._sum() + more)
 
     def claim(self, key: Hashable, tokens: int) -> None:
-        """Let ``key``'s window grow to ``tokens`` or raise ``LimitExceededError`` (counts unchanged).
+        """Let ``key``'s session hold ``tokens`` or raise ``LimitExceededError`` (counts unchanged).
 
         A key not counted (its session already deleted) is let through and not recorded."""
         with self._lock:
             mine = self._held.get(key)
             if mine is None or tokens <= mine:
                 return
-            self._refuse(sum(self._held.values()) - mine + tokens)
+            self._refuse(self._sum() - mine + tokens)
             self._held[key] = tokens
+
+    def settle(self, key: Hashable, tokens: int, ticket: int | None) -> None:
+        """Record what ``key``'s session holds after a job started under ``ticket`` (nothing if that opening
+        of ``key`` is no longer counted)."""
+        with self._lock:
+            if ticket is not None and self._ticket.get(key) == ticket:
+                self._held[key] = tokens
+
+    def _sum(self) -> int:
+        return sum(self._held.values()) + sum(self._left.values())
 
     def _refuse(self, total: int) -> None:
         if self.limit is not None and total > self.limit:
@@ -79,9 +119,3 @@ class HeldTokens:
                 f"the sessions would hold {total} tokens together; this server allows {self.limit} "
                 "(delete a session first: evicted and slid chunks stay held, recallable)"
             )
-
-    def settle(self, key: Hashable, tokens: int) -> None:
-        """Record what ``key``'s window holds after a job (nothing if ``key`` is no longer counted)."""
-        with self._lock:
-            if key in self._held:
-                self._held[key] = tokens

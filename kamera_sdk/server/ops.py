@@ -16,7 +16,7 @@ import torch
 from kamera_engine import Grammar, InvalidInputError, SamplingParams, TextStream, UnsupportedModelError
 from kamera_engine.decode import stop_strings
 
-from ..chunks import tokens_id
+from ..chunks import ChunkId, tokens_id
 from ..window import ContextWindow
 from .errors import PayloadTooLargeError
 from .schemas import ChunkAdd, GenerateRequest, LogprobsResult, TopToken, WindowState
@@ -25,7 +25,7 @@ from .worker import streams_from_scheduler
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one request or session may ask of the server (``max_held_tokens``: all sessions' windows together)."""
+    """What one request or session may ask of the server (``max_held_tokens``: all sessions together)."""
 
     max_body_bytes: int = 2 << 20
     max_image_bytes: int = 8 << 20
@@ -46,14 +46,14 @@ def window_state(session_id: str, win: ContextWindow) -> WindowState:
 
 
 def held_tokens(win: ContextWindow) -> int:
-    """Tokens whose KV a window holds: its chunks', and its evicted (slid) chunks', which it can recall (their
-    canonicals stay). What ``max_held_tokens`` counts: an eviction frees none of them."""
-    return win.tokens + sum(len(win.chunk(c)) for c in win.evicted)
+    """What ``max_held_tokens`` counts for a session: its window's tokens (their KV as placed) and the content
+    it and its branches have seen (their canonicals, evicted and slid chunks' included: they stay recallable)."""
+    return win.tokens + win.content_tokens
 
 
 def holds(win: ContextWindow, chunk_id: str) -> bool:
-    """Whether ``win`` holds ``chunk_id`` already (in it or evicted): adding it again holds nothing new."""
-    return chunk_id in win or chunk_id in win.evicted
+    """Whether ``win`` (or a branch of it) has seen ``chunk_id``: its content is held already."""
+    return win.known(ChunkId(chunk_id)) is not None
 
 
 def check_tokens(win: ContextWindow, extra: int, limits: Limits) -> None:
@@ -67,10 +67,15 @@ def check_tokens(win: ContextWindow, extra: int, limits: Limits) -> None:
 
 
 def claim_new(win: ContextWindow, new: int, claim: Claim | None) -> None:
-    """Refuse ``new`` tokens the window would hold beyond what it holds now, if they would take the sessions
+    """Refuse ``new`` tokens the session would hold beyond what it holds now, if they would take the sessions
     together past ``max_held_tokens`` (429, through ``claim``)."""
-    if claim is not None and new:
+    if claim is not None and new > 0:
         claim(held_tokens(win) + new)
+
+
+def new_content(win: ContextWindow, chunk_id: str, n: int) -> int:
+    """What adding an ``n``-token chunk to ``win`` adds to what it holds: placed, and its content if new."""
+    return n if holds(win, chunk_id) else 2 * n
 
 
 def decode_image(data: str, limits: Limits) -> bytes:
@@ -99,15 +104,17 @@ def add_chunk(
         if cid not in win:
             n = len(win.engine.tokenize(req.text))
             check_tokens(win, n, limits)
-            claim_new(win, 0 if holds(win, cid) else n, claim)  # an evicted chunk comes back: nothing new
+            claim_new(win, new_content(win, cid, n), claim)
         cid = win.add_text(req.text)
     elif req.token_ids is not None:
-        check_tokens(win, len(req.token_ids), limits)
+        n = len(req.token_ids)
         try:
-            known = holds(win, tokens_id(req.kind, req.token_ids))
+            tid = tokens_id(req.kind, req.token_ids)
         except OverflowError:  # not token ids: the add refuses them
-            known = False
-        claim_new(win, 0 if known else len(req.token_ids), claim)
+            tid = None
+        if tid is None or tid not in win:
+            check_tokens(win, n, limits)
+            claim_new(win, 2 * n if tid is None else new_content(win, tid, n), claim)
         cid = win.add(req.token_ids, kind=req.kind)
     else:
         assert req.image_base64 is not None  # the schema admits exactly one kind of content
@@ -118,11 +125,15 @@ def add_chunk(
     return str(cid), window_state(session_id, win)
 
 
-def recall(session_id: str, win: ContextWindow, chunk: str, at: int | None, limits: Limits) -> WindowState:
-    """Re-admit an evicted chunk, checked against ``max_session_tokens`` like new content (the window held
-    its KV all along, and ``max_held_tokens`` counted it)."""
+def recall(
+    session_id: str, win: ContextWindow, chunk: str, at: int | None, limits: Limits, claim: Claim | None = None
+) -> WindowState:
+    """Re-admit an evicted chunk, checked like new content: its KV is placed again (its canonical was held
+    all along)."""
     if chunk in win.evicted and chunk not in win:  # anything else gets recall's own error
-        check_tokens(win, len(win.chunk(chunk)), limits)
+        n = len(win.chunk(chunk))
+        check_tokens(win, n, limits)
+        claim_new(win, n, claim)
     win.recall(chunk, at)
     return window_state(session_id, win)
 

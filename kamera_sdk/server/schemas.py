@@ -158,7 +158,7 @@ class ServerStats(BaseModel):
 
     sessions: int = Field(description="open sessions, chat windows included")
     max_sessions: int
-    held_tokens: int = Field(description="tokens all sessions' windows hold (or have claimed) together")
+    held_tokens: int = Field(description="tokens all sessions hold (or claimed) together: placed, and content seen")
     max_held_tokens: int | None = Field(description="the bound of held_tokens (null: no limit)")
 
 

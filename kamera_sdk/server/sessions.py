@@ -33,6 +33,7 @@ class Session:
     kind: SessionKind = "session"
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    users: int = 0  # requests using the window now (the event loop counts them)
 
 
 def new_session_id() -> str:
@@ -84,11 +85,19 @@ class SessionRegistry:
             return
         raise LimitExceededError(f"the server holds its maximum of {self.max_sessions} sessions; delete one first")
 
-    def add(self, window: ContextWindow, *, key: str | None = None, kind: SessionKind = "session") -> Session:
-        """Register ``window`` under a fresh id (or ``key``); call ``reserve`` first."""
+    def add(
+        self,
+        window: ContextWindow,
+        *,
+        key: str | None = None,
+        kind: SessionKind = "session",
+        family_of: str | None = None,
+    ) -> Session:
+        """Register ``window`` under a fresh id (or ``key``); call ``reserve`` first. ``family_of``: the session
+        ``window`` was forked from (they share content, ``HeldTokens``)."""
         session = Session(key or new_session_id(), window, kind)
         self._sessions[session.id] = session
-        self.held.open(session.id)
+        self.held.open(session.id, family_of=family_of)
         return session
 
     def get(self, session_id: str, *, kind: SessionKind = "session") -> Session:
@@ -110,10 +119,10 @@ class SessionRegistry:
         self.get(session_id)
         self._drop(session_id)
 
-    def discard(self, key: str) -> None:
-        """Drop the session or chat window ``key`` if the registry holds it."""
-        if key in self._sessions:
-            self._drop(key)
+    def discard(self, session: Session) -> None:
+        """Drop ``session`` (a session or a chat window) if the registry still holds it under its id."""
+        if self._sessions.get(session.id) is session:
+            self._drop(session.id)
 
     def clear(self) -> None:
         for sid in list(self._sessions):

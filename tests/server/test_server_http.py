@@ -147,66 +147,91 @@ def test_session_limit_and_clean_shutdown(default_engine: Engine) -> None:
         state.worker._pool.submit(print)
 
 
+def _chunk(first: int) -> dict[str, Any]:
+    return {"token_ids": list(range(first, first + 8))}  # a chunk of 8 token ids
+
+
+def _held(c: TestClient, limit: int | None) -> tuple[int, int]:
+    got = c.get("/v1/server/stats").json()
+    assert (got["max_held_tokens"], got["max_sessions"]) == (limit, 256)
+    return int(got["held_tokens"]), int(got["sessions"])
+
+
 def test_the_sessions_together_hold_at_most_max_held_tokens(default_engine: Engine) -> None:
-    """Content past the server-wide bound gets 429 and changes nothing; evicted and slid chunks stay held
-    (recallable: their canonicals stay) and come back for nothing; deleting a session gives its tokens back;
-    ``/v1/server/stats`` reports the count."""
+    """A session holds its window's tokens and the content it has seen (8 placed + 8 of canonical per chunk
+    here): content past the server-wide bound gets 429 and changes nothing; a slide or eviction gives back
+    the placed part, deleting the session all of it; ``/v1/server/stats`` reports the count."""
     models = sum(t.name == "kamera-model" for t in threading.enumerate())
     for bad in (0, -5):
         with pytest.raises(InvalidInputError, match=f"max_held_tokens must be an int >= 1 or None, got {bad}"):
             make_app(default_engine, max_held_tokens=bad)
     assert sum(t.name == "kamera-model" for t in threading.enumerate()) == models  # refused before any start
-    app = make_app(default_engine, api_key=None, max_held_tokens=20)
-    with TestClient(app) as c:
+    with TestClient(make_app(default_engine, api_key=None, max_held_tokens=40)) as c:
 
-        def add(sid: str, first: int) -> httpx.Response:  # a chunk of 8 token ids
-            return c.post(f"/v1/sessions/{sid}/chunks", json={"token_ids": list(range(first, first + 8))})
-
-        def stats() -> tuple[int, int]:
-            got = c.get("/v1/server/stats").json()
-            assert (got["max_held_tokens"], got["max_sessions"]) == (20, 256)
-            return int(got["held_tokens"]), int(got["sessions"])
+        def add(sid: str, first: int) -> httpx.Response:
+            return c.post(f"/v1/sessions/{sid}/chunks", json=_chunk(first))
 
         def refused(r: httpx.Response, total: int | None) -> None:
             message = error(r, 429, "LimitExceededError")
-            said = re.search(r"the sessions would hold (\d+) tokens together; this server allows 20", message)
-            assert said is not None and int(said[1]) == (total or int(said[1])) > 20, message
+            said = re.search(r"the sessions would hold (\d+) tokens together; this server allows 40", message)
+            assert said is not None and int(said[1]) == (total or int(said[1])) > 40, message
 
         a, b = (c.post("/v1/sessions").json()["id"] for _ in range(2))
         oldest = add(a, 1000).json()["chunk"]
-        assert add(a, 2000).status_code == 201 and stats() == (16, 2)
-        refused(add(b, 3000), 24)
-        assert c.get(f"/v1/sessions/{b}").json()["tokens"] == 0 and stats() == (16, 2)
-        refused(c.post(f"/v1/sessions/{a}/fork"), 32)
-        assert stats() == (16, 2)  # the refused fork left no session behind
-        # a slide frees no memory: the slid chunk stays recallable, and held
-        assert c.post(f"/v1/sessions/{a}/slide").json()["removed"] == [oldest] and stats() == (16, 2)
-        refused(add(b, 3000), 24)
-        # ... so it comes back for nothing, by a recall or by adding it again, even at the bound
-        assert c.post(f"/v1/sessions/{a}/recall", json={"chunk": oldest}).json()["tokens"] == 16
+        assert add(a, 2000).status_code == 201 and _held(c, 40) == (32, 2)
+        refused(add(b, 3000), 48)
+        assert c.get(f"/v1/sessions/{b}").json()["tokens"] == 0 and _held(c, 40) == (32, 2)
+        refused(c.post(f"/v1/sessions/{a}/fork"), 64)
+        assert _held(c, 40) == (32, 2)  # the refused fork left no session behind
+        # a slide gives back the placed part; the slid chunk's canonical stays (it is recallable)
+        assert c.post(f"/v1/sessions/{a}/slide").json()["removed"] == [oldest] and _held(c, 40) == (24, 2)
+        assert add(b, 3000).status_code == 201 and _held(c, 40) == (40, 2)
+        refused(c.post(f"/v1/sessions/{a}/recall", json={"chunk": oldest}), 48)
+        refused(add(a, 1000), 48)  # adding it again places it again: the same
+        assert c.get(f"/v1/sessions/{a}").json()["evicted"] == [oldest] and _held(c, 40) == (40, 2)
+        assert c.delete(f"/v1/sessions/{b}").status_code == 204 and _held(c, 40) == (24, 1)
+        assert add(a, 1000).json()["window"]["tokens"] == 16 and _held(c, 40) == (32, 1)  # its content was held
         assert c.post(f"/v1/sessions/{a}/evict", json={"chunk": oldest}).json()["tokens"] == 8
-        assert add(a, 1000).json()["window"]["tokens"] == 16 and stats() == (16, 2)
+        assert _held(c, 40) == (24, 1)
         # a job that fails after its check gives its claim back; a text chunk counts its tokens
-        error(c.post(f"/v1/sessions/{b}/chunks", json={"token_ids": [10**9]}), 422, "InvalidInputError")
-        assert stats() == (16, 2)
+        d = c.post("/v1/sessions").json()["id"]
+        error(c.post(f"/v1/sessions/{d}/chunks", json={"token_ids": [10**9]}), 422, "InvalidInputError")
+        assert _held(c, 40) == (24, 2)
         words = "Invoice paid."
         n = len(default_engine.tokenize(words))
-        assert 0 < n <= 4
-        assert c.post(f"/v1/sessions/{b}/chunks", json={"text": words}).status_code == 201
-        assert stats() == (16 + n, 2)
+        assert c.post(f"/v1/sessions/{d}/chunks", json={"text": words}).status_code == 201
+        assert _held(c, 40) == (24 + 2 * n, 2)
         # chat windows are counted; one made for a refused request does not stay behind
         long = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)  # about 30 tokens
         r = c.post("/v1/chat/completions", json={"user": "u", "max_tokens": 1,
                    "messages": [{"role": "user", "content": long}, {"role": "user", "content": "And?"}]})  # fmt: skip
-        refused(r, None)  # its turn of the chat template, a few tokens more than the text
-        assert stats() == (16 + n, 2)
-        assert c.delete(f"/v1/sessions/{a}").status_code == 204 and stats() == (n, 1)
+        refused(r, None)  # its turn of the chat template, placed and seen: about 66 tokens
+        assert _held(c, 40) == (24 + 2 * n, 2)
+        assert c.delete(f"/v1/sessions/{a}").status_code == 204 and _held(c, 40) == (2 * n, 1)
         r = c.post("/v1/chat/completions", json={"user": "u", "max_tokens": 1,
                    "messages": [{"role": "user", "content": words}, {"role": "user", "content": "And?"}]})  # fmt: skip
         assert r.status_code == 200, r.text
-        held, sessions = stats()
-        assert sessions == 2 and held > 2 * n  # the chat window holds the message, a turn of the template
-        assert c.post(f"/v1/sessions/{b}/fork").status_code == 201 and stats() == (held + n, 3)
+        held, sessions = _held(c, 40)
+        assert sessions == 2 and held > 4 * n  # the chat window holds the message as a turn of the template
+
+
+def test_a_deleted_branch_stays_counted_while_its_family_shares_its_content(default_engine: Engine) -> None:
+    """Forks share one table of content: what a deleted branch added stays in it, and in the count, until
+    the family's last session goes (counted, no bound: ``max_held_tokens`` null)."""
+    with TestClient(make_app(default_engine, api_key=None)) as c:
+        parent = c.post("/v1/sessions").json()["id"]
+        c.post(f"/v1/sessions/{parent}/chunks", json=_chunk(1000)).raise_for_status()
+        assert _held(c, None) == (16, 1)
+        child = c.post(f"/v1/sessions/{parent}/fork").json()["id"]
+        assert _held(c, None) == (32, 2)  # counted at its parent's size
+        c.post(f"/v1/sessions/{child}/chunks", json=_chunk(2000)).raise_for_status()
+        assert _held(c, None) == (16 + 32, 2)
+        assert c.delete(f"/v1/sessions/{child}").status_code == 204
+        assert _held(c, None) == (16 + 32, 1)  # its chunk's canonical stays in the table the parent holds
+        c.post(f"/v1/sessions/{parent}/evict", json={"chunk": c.get(f"/v1/sessions/{parent}").json()["chunks"][0]})
+        assert _held(c, None) == (16 + 32, 1)  # the parent counts the shared content now; the branch's count
+        # stands while the family lives (it errs high)
+        assert c.delete(f"/v1/sessions/{parent}").status_code == 204 and _held(c, None) == (0, 0)
 
 
 def chat(http: httpx.Client, **body: Any) -> httpx.Response:

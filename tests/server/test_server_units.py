@@ -85,8 +85,8 @@ def test_registry_limits_ttl_and_kinds() -> None:
 
 def test_held_tokens_claim_settle_and_forget() -> None:
     held = HeldTokens(100)
-    held.open("a")
-    held.open("b")
+    ta = held.open("a")
+    tb = held.open("b")
     held.claim("a", 60)
     with pytest.raises(LimitExceededError, match="would hold 101 tokens together; this server allows 100"):
         held.claim("b", 41)
@@ -94,18 +94,45 @@ def test_held_tokens_claim_settle_and_forget() -> None:
     held.claim("b", 40)
     held.claim("a", 30)  # a claim below the count keeps it: the window has not shrunk yet
     assert held.total == 100
-    held.settle("a", 20)  # after the job: what the window holds
+    held.settle("a", 20, ta)  # after the job: what the window holds
     held.claim("b", 80)
     held.close("b")
-    held.settle("b", 50)  # a job that ends after its session was dropped records nothing
+    held.settle("b", 50, tb)  # a job that ends after its session was dropped records nothing
     held.claim("b", 10**9)  # nor is a claim of a dropped session counted
     assert held.total == 20
-    held.open("a")  # opening a counted key keeps its count
-    assert held.total == 20 and held.of("a") == 20 and held.of("b") == 0
+    assert held.open("b") != tb and held.ticket("b") != tb  # a new session under the same key
+    held.settle("b", 70, tb)  # the old session's job does not count for the new one
+    assert held.of("b") == 0
+    assert held.open("a") == ta  # opening a counted key keeps its count and ticket
+    assert held.total == 20 and held.of("a") == 20 and held.ticket("zz") is None
     held.check(80)  # an early check records nothing
     with pytest.raises(LimitExceededError, match="would hold 101 tokens"):
         held.check(81)
     assert held.total == 20
+
+
+def test_held_tokens_count_a_family_until_its_last_session_goes() -> None:
+    """Forked sessions share their content: a branch's count stands for it after it closes, while the family
+    lives (the largest such count, once), and goes with the family's last session."""
+    held = HeldTokens()
+    held.open("p")
+    held.open("c1", family_of="p")
+    held.open("c2", family_of="c1")  # a fork of a fork: the same family
+    held.open("q")
+    for key, n in (("p", 10), ("c1", 30), ("c2", 20), ("q", 5)):
+        held.claim(key, n)
+    held.close("c1")
+    held.close("c2")
+    assert held.total == 10 + 30 + 5
+    held.close("q")  # a family of one: nothing stays
+    assert held.total == 40
+    held.close("p")
+    assert held.total == 0
+    held.open("r", family_of="gone")  # forked from a session no longer counted: a family of its own
+    held.claim("r", 7)
+    held.close("r")
+    assert held.total == 0
+
     unbounded = HeldTokens()
     unbounded.open("x")
     unbounded.claim("x", 10**12)
@@ -160,10 +187,13 @@ def test_the_registry_counts_the_sessions_it_holds() -> None:
     reg.delete(a.id)  # its tokens are given back with it
     reg.held.claim(b.id, 50)
     assert reg.held.total == 50
-    reg.discard(b.id)  # any kind; a key it does not hold is no error
-    reg.discard(b.id)
+    reg.discard(b)  # any kind; one it no longer holds is no error
+    reg.discard(b)
     assert reg.held.total == 0 and len(reg) == 0
+    stale = b
     b = reg.add(object(), key=chat_key("u"), kind="chat")  # type: ignore[arg-type]
+    reg.discard(stale)  # another session under the same key stays
+    assert len(reg) == 1
     reg.held.claim(b.id, 50)
     reg.clear()
     assert reg.held.total == 0
