@@ -428,7 +428,7 @@ def create_app(
         try:
             child_window = await worker.run_keyed(s.id, job)
         except BaseException:
-            sessions.held.close(child_id)
+            sessions.held.close(child_id, shared=False)
             raise
         child = sessions.add(child_window, key=child_id, family_of=s.id)
         state_now = await on_window(child.id, child_window, ops.window_state, child.id, child_window)

@@ -65,8 +65,9 @@ class HeldTokens:
         with self._lock:
             return self._ticket.get(key)
 
-    def close(self, key: Hashable) -> None:
-        """Stop counting ``key``: its window is gone, but what its family still holds stays counted."""
+    def close(self, key: Hashable, *, shared: bool = True) -> None:
+        """Stop counting ``key``: its window is gone, but what its family still holds stays counted.
+        ``shared=False``: it never had a window (a fork that failed), so its family keeps nothing of it."""
         with self._lock:
             count = self._held.pop(key, None)
             if count is None:
@@ -75,9 +76,9 @@ class HeldTokens:
             family = self._family.pop(key)
             members = self._members[family]
             members.discard(key)
-            if members:  # the others share its content: its count stands for it while they live
+            if members and shared:  # the others share its content: its count stands for it while they live
                 self._left[family] = max(self._left.get(family, 0), count)
-            else:
+            elif not members:
                 del self._members[family]
                 self._left.pop(family, None)
 

@@ -132,6 +132,11 @@ def test_held_tokens_count_a_family_until_its_last_session_goes() -> None:
     held.claim("r", 7)
     held.close("r")
     assert held.total == 0
+    held.open("s")
+    held.open("t", family_of="s")
+    held.claim("t", 9)
+    held.close("t", shared=False)  # a fork that failed: its family keeps nothing of it
+    assert held.total == 0
 
     unbounded = HeldTokens()
     unbounded.open("x")
