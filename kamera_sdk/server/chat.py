@@ -108,17 +108,18 @@ def _data_url_bytes(url: str, limits: Limits) -> bytes:
 
 
 def sync_window(
-    win: ContextWindow, items: list[Item], text_tokens: int, limits: Limits, claim: Claim | None = None
+    win: ContextWindow, items: list[Item], sizes: dict[str, int], limits: Limits, claim: Claim | None = None
 ) -> None:
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
-    (``text_tokens``: the tokens of its text items, counted by the caller; ``claim``: ``claim_new``'s)."""
+    (``sizes``: the tokens of each text item, counted by the caller; ``claim``: ``claim_new``'s)."""
+    text_tokens = sum(sizes[item] for item in items if isinstance(item, str))
     check_tokens(win, text_tokens - win.tokens, limits)
     unseen = 0  # tokens of the messages the window has not seen (a repeated message is a copy: one more)
     copies: dict[str, int] = {}
     for text in (item for item in items if isinstance(item, str)):
         k = copies[text] = copies.get(text, -1) + 1
         if not holds(win, win.text_id(text, copy=k)):
-            unseen += len(win.engine.tokenize(text))
+            unseen += sizes[text]
     claim_new(win, text_tokens - win.tokens + unseen, claim)  # placed after the sync, and the new content
     ids: list[str] = []
     seen: dict[str, int] = {}
@@ -269,7 +270,8 @@ def start_chat(
     if req.auto_tool_policy == "relevance" and request_tools(req) and tool_choice_name(req) == "auto":
         params = replace(params, grammar=relevance_grammar(engine, fmt, req))
     anchor = len(engine.anchor_ids)
-    text_tokens = sum(len(engine.tokenize(i)) for i in items if isinstance(i, str))
+    sizes = {i: len(engine.tokenize(i)) for i in items if isinstance(i, str)}  # each text tokenized once
+    text_tokens = sum(sizes[i] for i in items if isinstance(i, str))
     holds_all = win is None or win.config.budget_tokens is None  # no budget slides messages out in the sync
     known = holds_all and all(isinstance(i, str) for i in items)  # the synced size is known now
     if known:  # refuse before any change
@@ -278,7 +280,7 @@ def start_chat(
         win = ContextWindow(engine)
     if win is not None:
         before = win.stats()
-        sync_window(win, items, text_tokens, limits, claim)
+        sync_window(win, items, sizes, limits, claim)
         if not known:  # images and budgets counted
             _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))
     if win is not None and len(win):

@@ -55,7 +55,7 @@ class HeldTokens:
             if key not in self._held:
                 self._held[key] = 0
                 self._ticket[key] = next(self._tickets)
-                family = self._family.get(family_of, object()) if family_of is not None else object()
+                family = self._family.get(family_of) or object()  # a family of its own unless forked
                 self._family[key] = family
                 self._members.setdefault(family, set()).add(key)
             return self._ticket[key]
