@@ -421,17 +421,28 @@ def create_app(
         child_id = new_session_id()
         sessions.held.open(child_id, family_of=s.id)  # the child's tokens are claimed before it exists
 
+        made: list[ContextWindow] = []  # the child, once the job has forked it
+
         def job() -> ContextWindow:
             sessions.held.claim(child_id, ops.held_tokens(s.window))  # the count that decides
-            return s.window.fork()
+            made.append(s.window.fork())
+            return made[0]
 
         try:
             child_window = await worker.run_keyed(s.id, job)
-        except BaseException:
+        except BaseException as exc:
             sessions.held.close(child_id, shared=False)
+            if made or isinstance(exc, asyncio.CancelledError):
+                # a caller that gave up does not stop a job already running: the child it makes is closed
+                # after it (a barrier job), so its pins on the store are not leaked
+                worker.submit(_close_all, made)
             raise
         child = sessions.add(child_window, key=child_id, family_of=s.id)
-        state_now = await on_window(child.id, child_window, ops.window_state, child.id, child_window)
+        try:
+            state_now = await on_window(child.id, child_window, ops.window_state, child.id, child_window)
+        except BaseException:
+            sessions.discard(child, shared=False)  # nobody learns its id (it added nothing): closed now
+            raise
         return SessionCreated(id=child.id, window=state_now)
 
     # --- using the window ------------------------------------------------------------------------
@@ -521,6 +532,11 @@ def _usage(start: chat_ops.ChatStart) -> Usage:
         total_tokens=start.prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=start.cached_tokens),
     )
+
+
+def _close_all(windows: list[ContextWindow]) -> None:
+    for window in windows:
+        window.close()
 
 
 def _finish(pieces: TextStream) -> Any:

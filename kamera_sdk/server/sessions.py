@@ -119,10 +119,11 @@ class SessionRegistry:
         self.get(session_id)
         self._drop(session_id)
 
-    def discard(self, session: Session) -> None:
-        """Drop ``session`` (a session or a chat window) if the registry still holds it under its id."""
+    def discard(self, session: Session, *, shared: bool = True) -> None:
+        """Drop ``session`` (a session or a chat window) if the registry still holds it under its id.
+        ``shared=False``: it added nothing its family shares (``HeldTokens.close``)."""
         if self._sessions.get(session.id) is session:
-            self._drop(session.id)
+            self._drop(session.id, shared=shared)
 
     def clear(self) -> None:
         for sid in list(self._sessions):
@@ -135,9 +136,9 @@ class SessionRegistry:
         for sid in [sid for sid, s in self._sessions.items() if s.last_used < cutoff]:
             self._drop(sid)
 
-    def _drop(self, session_id: str) -> None:
+    def _drop(self, session_id: str, *, shared: bool = True) -> None:
         """Forget a session and hand its window to ``on_drop``."""
         session = self._sessions.pop(session_id)
-        self.held.close(session_id)
+        self.held.close(session_id, shared=shared)
         if self.on_drop is not None:
             self.on_drop(session.window)

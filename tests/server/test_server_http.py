@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -232,6 +233,66 @@ def test_a_deleted_branch_stays_counted_while_its_family_shares_its_content(defa
         assert _held(c, None) == (16 + 32, 1)  # the parent counts the shared content now; the branch's count
         # stands while the family lives (it errs high)
         assert c.delete(f"/v1/sessions/{parent}").status_code == 204 and _held(c, None) == (0, 0)
+
+
+@pytest.mark.parametrize("gives_up_in", ["fork", "state"])
+def test_a_fork_whose_caller_gave_up_leaves_no_window_behind(
+    default_engine: Engine, monkeypatch: pytest.MonkeyPatch, gives_up_in: str
+) -> None:
+    """The caller of a fork is cancelled while the fork job runs (``fork``), or while the child's first
+    state is read (``state``): the job runs on, but the child it made is closed and nothing stays
+    registered or counted for it."""
+    from kamera_sdk.server import ops
+
+    app = make_app(default_engine, api_key=None)
+    waiting, release = threading.Event(), threading.Event()
+    made: list[ContextWindow] = []
+    closed: list[ContextWindow] = []
+    fork, close, window_state = ContextWindow.fork, ContextWindow.close, ops.window_state
+
+    def slow_fork(self: ContextWindow) -> ContextWindow:
+        if gives_up_in == "fork":
+            waiting.set()
+            assert release.wait(60)
+        made.append(fork(self))
+        return made[-1]
+
+    def slow_state(sid: str, win: ContextWindow) -> Any:
+        if gives_up_in == "state" and any(win is m for m in made):
+            waiting.set()
+            assert release.wait(60)
+        return window_state(sid, win)
+
+    def recorded_close(self: ContextWindow) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(ContextWindow, "fork", slow_fork)
+    monkeypatch.setattr(ContextWindow, "close", recorded_close)
+    monkeypatch.setattr(ops, "window_state", slow_state)
+
+    async def main() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kamera") as c:
+            parent = (await c.post("/v1/sessions")).json()["id"]
+            (await c.post(f"/v1/sessions/{parent}/chunks", json=_chunk(1000))).raise_for_status()
+            request = asyncio.ensure_future(c.post(f"/v1/sessions/{parent}/fork"))
+            while not waiting.is_set():
+                await asyncio.sleep(0.01)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            release.set()
+            (await c.get(f"/v1/sessions/{parent}")).raise_for_status()  # queued after the closing job
+            return dict((await c.get("/v1/server/stats")).json())
+
+    try:
+        stats = asyncio.run(main())
+        assert len(made) == 1 and any(w is made[0] for w in closed)  # the child the job made was closed, not leaked
+        assert (stats["sessions"], stats["held_tokens"]) == (1, 16)  # the parent alone, counted as before
+    finally:
+        release.set()
+        asyncio.run(app.state.kamera.shutdown())
 
 
 def chat(http: httpx.Client, **body: Any) -> httpx.Response:
