@@ -10,11 +10,12 @@ are immutable once written, so sharing needs no copies.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NewType
+from typing import NewType, Protocol
 
 from kamera_engine import KV, ChunkNotFoundError, Patch
 
@@ -103,11 +104,32 @@ class Chunk:
         return f"{self.id[:8]} ({len(self)} tokens)"
 
 
+class Holder(Protocol):
+    """A branch of a window, as the table sees it: does it hold a chunk (in its window, or evicted)?"""
+
+    def holds(self, chunk_id: ChunkId) -> bool: ...
+
+
 class ChunkTable:
-    """Content-addressed chunk entries, shared by a window and its forks."""
+    """Content-addressed chunk entries, shared by a window and its forks (``attach``-ed as holders: an
+    entry may be dropped only when no live branch holds it)."""
 
     def __init__(self) -> None:
         self._chunks: dict[ChunkId, Chunk] = {}
+        self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
+
+    def attach(self, holder: Holder) -> None:
+        """Count ``holder`` (a branch's state) among the table's users while it lives."""
+        self._holders.add(holder)
+
+    def held(self, chunk_id: ChunkId, *, but: Holder) -> bool:
+        """Whether a live branch other than ``but`` holds ``chunk_id``."""
+        return any(h.holds(chunk_id) for h in list(self._holders) if h is not but)
+
+    def drop(self, chunk_id: ChunkId) -> None:
+        """Forget an entry: its canonical and patches (the caller checked that no branch holds it)."""
+        self.get(chunk_id)
+        del self._chunks[chunk_id]
 
     def __contains__(self, chunk_id: object) -> bool:
         return chunk_id in self._chunks
@@ -120,6 +142,10 @@ class ChunkTable:
             return self._chunks[chunk_id]
         except KeyError:
             raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}") from None
+
+    def find(self, chunk_id: ChunkId) -> Chunk | None:
+        """The entry of ``chunk_id``, or None."""
+        return self._chunks.get(chunk_id)
 
     def put(self, chunk: Chunk) -> Chunk:
         """Insert ``chunk`` unless an entry with its id exists; return the entry in the table."""

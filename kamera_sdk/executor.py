@@ -451,6 +451,10 @@ class Executor:
         self.orphans[:0] = kept
         return formed
 
+    def drop_orphans(self, chunk_id: ChunkId) -> None:
+        """Drop the set-aside patches of a forgotten chunk (no branch can use them any more)."""
+        self.orphans = [o for o in self.orphans if o[0].id != chunk_id]
+
     # --- orbit patches ------------------------------------------------------------------------------
     def form_orbit_patch(self, chunk: Chunk, preds: Sequence[Chunk]) -> StoredPatch:
         """Form (and store) an orbit patch for ``chunk`` over orderings of ``preds`` (the chunks in front

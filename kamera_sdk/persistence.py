@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from kamera_engine import KV, Engine, Patch
 from kamera_engine.window_buffer import upload, upload_tensors
 
-from .chunks import VISION_KINDS, Chunk, PatchKind, StoredPatch, antecedent_signature, sequence_digest
+from .chunks import VISION_KINDS, Chunk, ChunkId, PatchKind, StoredPatch, antecedent_signature, sequence_digest
 from .stats import WindowStats
 from .store import ChunkStore, EntryKey, EntryKind, StoreEntry
 
@@ -58,6 +58,12 @@ class Persistence:
         for chunk in chunks:
             if chunk.canonical is None and chunk.id not in self._prefetched:
                 self._prefetched[chunk.id] = self.store.submit_get(self.canonical_key(chunk))
+
+    def forget(self, chunk_id: ChunkId) -> None:
+        """Stop prefetching a forgotten chunk's canonical (the store keeps its entry)."""
+        fut = self._prefetched.pop(chunk_id, None)
+        if fut is not None:
+            fut.cancel()
 
     def load_canonical(self, chunk: Chunk) -> KV | None:
         fut = self._prefetched.pop(chunk.id, None)

@@ -77,6 +77,10 @@ class WindowMedia:
         self.check_name(ref, chunk_id)
         self._refs[ref] = chunk_id
 
+    def forget(self, chunk_id: ChunkId) -> None:
+        """Drop the names of a forgotten image (a prompt naming one is told no image has that ref)."""
+        self._refs = {ref: cid for ref, cid in self._refs.items() if cid != chunk_id}
+
     def check_prompt(self, prompt: str, window: Container[ChunkId]) -> None:
         """Refuse a prompt that names an image (``IMAGE#<ref>``) the window does not hold."""
         if "IMAGE#" not in prompt:

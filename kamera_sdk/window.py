@@ -170,6 +170,7 @@ class ContextWindow:
         set-aside patches) and store pins; everything else is shared with the window it came from."""
         self.policy = policy
         self._state = state
+        self._table.attach(state)  # an entry this branch holds is never dropped by another's ``forget``
         self._stats = WindowStats(policy=policy.name, forked=forked, started_at_step=state.step)
         self._meter = EngineMeter(self.engine, self._stats)
         self._persistence = None if self.store is None else Persistence(self.store, self.engine, self._stats)
@@ -274,7 +275,7 @@ class ContextWindow:
         """The table entry of content this window or any of its branches has seen, else None (content
         ids are hashes of content: a caller that builds a chunk itself asks here first, so known content
         is not processed again)."""
-        return self._table.get(chunk_id) if chunk_id in self._table else None
+        return self._table.find(chunk_id)
 
     @foreground(drain=False)
     def stats(self) -> WindowStats:
@@ -385,6 +386,7 @@ class ContextWindow:
                 self._queue_canonical(chunk)
         self._state.slots.append(Slot(cid))
         self._pin(cid)
+        self._mark_dependents(cid)  # content this branch forgot: what had absorbed it is re-patched, as at recall
         self._changed("add")
         self._enforce_budget(keep=cid)
         return cid
@@ -438,6 +440,37 @@ class ContextWindow:
         self._mark_dependents(chunk_id)
         self._changed("recall", t0)
         self._enforce_budget(keep=chunk_id)
+
+    @foreground()
+    def forget(self, chunk_id: ChunkId) -> None:
+        """Forget an evicted (or slid-out) chunk for good: it is no longer recallable from this window, and
+        its canonical and patches leave the content table once no other branch holds it (a store keeps
+        what it persisted). The window's KV and answers are unchanged; adding the same content again
+        later prepares it anew (from the store, or one forward) and re-patches what had absorbed it."""
+        if chunk_id in self:
+            raise WindowOperationError(f"chunk {chunk_id!r} is in the window: evict it first")
+        if chunk_id not in self._state.evicted:
+            if chunk_id in self._table:
+                raise WindowOperationError(f"chunk {chunk_id!r} was not evicted from this window")
+            raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+        t0 = time.perf_counter()
+        shared = self._table.held(chunk_id, but=self._state)
+        if shared:
+            self._form_leaving(chunk_id)  # branches share its patches: the one it left with is formed first
+        else:
+            self._queue.drop("leaving", chunk_id)
+            self._leaving.discard(chunk_id)
+        self._queue.drop("canonical", chunk_id)
+        self._uncompiled.discard(chunk_id)
+        self._deferred_since_use.discard(chunk_id)
+        self._state.evicted.remove(chunk_id)
+        self._state.media.forget(chunk_id)
+        if not shared:
+            self._executor.drop_orphans(chunk_id)
+            if self._persistence is not None:
+                self._persistence.forget(chunk_id)
+            self._table.drop(chunk_id)
+        self._stats.time("forget", time.perf_counter() - t0)
 
     @foreground()
     def slide(self, n: int = 1) -> list[ChunkId]:
@@ -932,9 +965,12 @@ class ContextWindow:
         """Evicted chunks are the ones a look-back recalls: start loading their canonicals from the store."""
         if self._persistence is None or not self._state.evicted:
             return
-        chunks = [self._table.get(c) for c in self._state.evicted]
-        run = functools.partial(self._persistence.prefetch, chunks)
-        self._push(Task("prefetch", "*", Phase.LATENCY, 0.0, 0, run))
+        self._push(Task("prefetch", "*", Phase.LATENCY, 0.0, 0, self._prefetch_evicted))
+
+    def _prefetch_evicted(self) -> None:
+        """The evicted chunks when the task runs (one forgotten since it was queued is not loaded)."""
+        assert self._persistence is not None
+        self._persistence.prefetch([self._table.get(c) for c in self._state.evicted])
 
     def _queue_place(self) -> None:
         """A slide or an eviction moved the chunks behind it: their rotations into the window's buffer at the

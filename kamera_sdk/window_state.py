@@ -16,7 +16,7 @@ from .slots import Slot
 from .vision import WindowMedia
 
 
-@dataclass
+@dataclass(eq=False)  # one branch's state is itself: the content table keeps it by weak reference
 class WindowState:
     """One branch's slots (in window order), evicted chunks (oldest first), images, graph and step."""
 
@@ -25,6 +25,10 @@ class WindowState:
     media: WindowMedia = field(default_factory=WindowMedia)
     graph: DependencyGraph = field(default_factory=DependencyGraph)
     step: int = 0
+
+    def holds(self, chunk_id: ChunkId) -> bool:
+        """Whether this branch has ``chunk_id`` in its window or evicted (recallable)."""
+        return chunk_id in self.evicted or any(s.chunk_id == chunk_id for s in self.slots)
 
     def fork(self) -> WindowState:
         """A copy a branch can edit alone: slots are immutable (their tensors are shared, not copied)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -467,6 +469,62 @@ def test_cascade_is_not_undone_by_a_patch_that_absorbed_the_recalled_chunk(engin
     # B leads (exact), C and A are prefilled in context: re-prefill's numbers
     assert (win.next_token_logprobs(PROMPT) - rec.next_token_logprobs(PROMPT)).abs().max() < 1e-4
     assert win.stats().cascade_rematerialised == 1
+
+
+def test_forget_drops_an_evicted_chunk_and_a_re_add_cascades_like_a_recall(engine) -> None:
+    """[A, B, C], slide A out and forget it: the window answers as before, A is unknown, the table lost
+    its tokens. Adding A's content again behind C re-patches C (it absorbed A), as recalling A would."""
+    win = ContextWindow(engine)
+    rec = ContextWindow(engine, policy="recompute")
+    pages = [random_ids(10, seed=550 + i) for i in range(3)]
+    for w in (win, rec):
+        a, _, _ = [w.add(p) for p in pages]
+        w.next_token_logprobs(PROMPT)
+        w.slide(1)
+    before, content = win.next_token_logprobs(PROMPT), win.content_tokens
+    win.forget(a)
+    assert win.evicted == [] and win.known(a) is None and win.content_tokens == content - len(pages[0])
+    assert torch.equal(win.next_token_logprobs(PROMPT), before)
+    with pytest.raises(ChunkNotFoundError):
+        win.recall(a)
+    with pytest.raises(ChunkNotFoundError):
+        win.forget(a)
+    assert win.add(pages[0]) == a  # new content again: its canonical is prepared anew
+    rec.recall(a)
+    plan = win.plan()
+    assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.FORWARD, Source.FORWARD]
+    assert plan.slots[1].reason.startswith("cascade")
+    assert (win.next_token_logprobs(PROMPT) - rec.next_token_logprobs(PROMPT)).abs().max() < 1e-4
+    assert win.stats().timings["forget"].count == 1
+
+
+def test_forget_refuses_a_chunk_in_the_window_and_waits_for_every_branch(engine) -> None:
+    win, ids = _filled(engine, n=3)
+    win.next_token_logprobs(PROMPT)
+    with pytest.raises(WindowOperationError, match="evict it first"):
+        win.forget(ids[1])
+    assert win.chunks == ids and win.evicted == []  # the refusal changed nothing
+    win.evict(ids[1])
+    child, twin = win.fork(), win.fork()  # they hold ids[1] too (evicted)
+    content = win.content_tokens
+    win.forget(ids[1])
+    assert win.evicted == [] and child.evicted == [ids[1]]
+    assert win.content_tokens == content and win.known(ids[1]) is not None  # the child still holds it
+    with pytest.raises(WindowOperationError, match="not evicted"):
+        win.forget(ids[1])
+    child.recall(ids[1], at=1)
+    assert child.chunks == ids and win.chunks == [ids[0], ids[2]]
+    twin.recall(ids[1], at=1)  # the parent's forget changed nothing its branches do
+    assert torch.equal(child.next_token_logprobs(PROMPT), twin.next_token_logprobs(PROMPT))
+    del child, twin
+
+    extra = win.add(random_ids(9, seed=777))
+    other = win.fork()  # holds ``extra`` until it is collected
+    win.evict(extra)
+    del other
+    gc.collect()
+    win.forget(extra)
+    assert win.known(extra) is None and win.content_tokens == content
 
 
 def test_conditioning_on_a_chunk_moved_behind_is_not_kept(engine) -> None:
