@@ -15,7 +15,7 @@ order and decoding is pulled one token per job so concurrent sessions interleave
     GET    /v1/sessions/{id}                chunks, evicted, tokens
     DELETE /v1/sessions/{id}
     POST   /v1/sessions/{id}/chunks         add text, token ids or an image
-    POST   /v1/sessions/{id}/evict|recall|reorder|slide
+    POST   /v1/sessions/{id}/evict|recall|forget|reorder|slide
     POST   /v1/sessions/{id}/fork           copy-on-write branch -> a new session
     POST   /v1/sessions/{id}/generate       JSON, or SSE with stream=true
     POST   /v1/sessions/{id}/logprobs       next-token log-probs (full vector or top-k)
@@ -396,6 +396,12 @@ def create_app(
     async def recall(session_id: str, req: RecallRequest) -> WindowState:
         s = sessions.get(session_id)
         return await on_window(s.id, s.window, ops.recall, s.id, s.window, req.chunk, req.at, limits, claim(s.id))
+
+    @app.post("/v1/sessions/{session_id}/forget", response_model=WindowState)
+    async def forget(session_id: str, req: ChunkRef) -> WindowState:
+        """Forget an evicted chunk for good: it is no longer recallable, and no longer held (``held.py``)."""
+        s = sessions.get(session_id)
+        return await on_window(s.id, s.window, _then_state, s, s.window.forget, req.chunk)
 
     @app.post("/v1/sessions/{session_id}/reorder", response_model=WindowState)
     async def reorder(session_id: str, req: ReorderRequest) -> WindowState:

@@ -119,6 +119,9 @@ class _Requests:
     def evict(self, chunk_id: str) -> _Request[None]:
         return _Request("POST", f"{self.base}/evict", {"chunk": chunk_id}, _none)
 
+    def forget(self, chunk_id: str) -> _Request[None]:
+        return _Request("POST", f"{self.base}/forget", {"chunk": chunk_id}, _none)
+
     def recall(self, chunk_id: str, at: int | None) -> _Request[None]:
         pos = None if at is None else _index(at, "recall position")
         return _Request("POST", f"{self.base}/recall", {"chunk": chunk_id, "at": pos}, _none)
@@ -505,6 +508,10 @@ class RemoteWindow:
     def recall(self, chunk_id: str, at: int | None = None) -> None:
         self._send(self._r.recall(chunk_id, at))
 
+    def forget(self, chunk_id: str) -> None:
+        """Forget an evicted chunk for good (``ContextWindow.forget``): the server holds it no longer."""
+        self._send(self._r.forget(chunk_id))
+
     def reorder(self, order: Sequence[str] | Literal["auto"]) -> list[str]:
         return self._send(self._r.reorder(order))
 
@@ -731,6 +738,9 @@ class AsyncRemoteWindow:
 
     async def recall(self, chunk_id: str, at: int | None = None) -> None:
         await self._send((await self._requests()).recall(chunk_id, at))
+
+    async def forget(self, chunk_id: str) -> None:
+        await self._send((await self._requests()).forget(chunk_id))
 
     async def reorder(self, order: Sequence[str] | Literal["auto"]) -> list[str]:
         return await self._send((await self._requests()).reorder(order))

@@ -3,8 +3,9 @@
 What a session holds (``ops.held_tokens``): its window's tokens (their KV as placed) and the content its
 window and its branches have seen (``ContextWindow.content_tokens``: the chunks' position-free canonicals,
 kept while any branch lives, evicted and slid chunks included: they stay recallable). An eviction gives
-back only the placed part; deleting a session gives back its count, except the content its family (the
-windows forked from one another) still holds: that stays counted until the family's last session goes.
+back only the placed part, a ``forget`` the content too (once no other branch holds it); deleting a
+session gives back its count, except the content its family (the windows forked from one another) still
+holds: that stays counted until the family's last session goes.
 ``max_sessions`` times ``max_session_tokens`` bounds none of this usefully (256 windows of 32768 tokens),
 so the server can bound the sum instead, refusing the content that would pass it with a 429 before
 anything changes.
@@ -118,5 +119,5 @@ class HeldTokens:
         if self.limit is not None and total > self.limit:
             raise LimitExceededError(
                 f"the sessions would hold {total} tokens together; this server allows {self.limit} "
-                "(delete a session first: evicted and slid chunks stay held, recallable)"
+                "(evicted and slid chunks stay held, recallable: forget them or delete a session first)"
             )

@@ -52,6 +52,8 @@ def test_every_operation(live: LiveServer) -> None:
         child = win.fork()
         try:
             assert child.id != win.id and child.chunks == [a, b, c] and child.evicted == [t]
+            child.forget(t)
+            assert child.evicted == [] and win.evicted == [t]
             child.evict(b)
             assert child.chunks == [a, c] and win.chunks == [a, b, c]  # copy-on-write: the parent is untouched
             assert isinstance(child.generate(QUESTION, max_new_tokens=4), str)
@@ -171,6 +173,8 @@ def test_async_client(live: LiveServer) -> None:
             child = await win.fork()
             assert await child.slide(1) == [b]
             assert await child.chunks() == [a] and await win.chunks() == [b, a]
+            await child.forget(b)
+            assert await child.evicted() == [] and await win.chunks() == [b, a]
             await child.aclose()
             assert (await win.stats()).forwards > 0
             assert len(await win.top_logprobs(QUESTION, k=3)) == 3

@@ -235,6 +235,32 @@ def test_a_deleted_branch_stays_counted_while_its_family_shares_its_content(defa
         assert c.delete(f"/v1/sessions/{parent}").status_code == 204 and _held(c, None) == (0, 0)
 
 
+def test_forget_gives_back_what_an_evicted_chunk_held(default_engine: Engine) -> None:
+    """An evicted chunk stays held (recallable) until ``forget`` gives its content back; a bad ``forget``
+    gets the window's error and changes nothing."""
+    with TestClient(make_app(default_engine, api_key=None, max_held_tokens=39)) as c:
+        sid = c.post("/v1/sessions").json()["id"]
+        a = c.post(f"/v1/sessions/{sid}/chunks", json=_chunk(1000)).json()["chunk"]
+        b = c.post(f"/v1/sessions/{sid}/chunks", json=_chunk(2000)).json()["chunk"]
+        assert _held(c, 39) == (32, 1)
+
+        def forget(chunk: str) -> httpx.Response:
+            return c.post(f"/v1/sessions/{sid}/forget", json={"chunk": chunk})
+
+        assert "evict it first" in error(forget(a), 409, "WindowOperationError")
+        error(forget("0" * 32), 404, "ChunkNotFoundError")
+        c.post(f"/v1/sessions/{sid}/evict", json={"chunk": a}).raise_for_status()
+        assert _held(c, 39) == (24, 1)  # the placed part went; the content stays, recallable
+        add = c.post(f"/v1/sessions/{sid}/chunks", json=_chunk(3000))
+        assert "forget them" in error(add, 429, "LimitExceededError")
+        got = forget(a)
+        assert got.status_code == 200 and (got.json()["chunks"], got.json()["evicted"]) == ([b], [])
+        assert _held(c, 39) == (16, 1)
+        assert c.post(f"/v1/sessions/{sid}/chunks", json=_chunk(3000)).status_code == 201
+        error(c.post(f"/v1/sessions/{sid}/recall", json={"chunk": a}), 404, "ChunkNotFoundError")
+        assert _held(c, 39) == (32, 1)
+
+
 @pytest.mark.parametrize("gives_up_in", ["fork", "state"])
 def test_a_fork_whose_caller_gave_up_leaves_no_window_behind(
     default_engine: Engine, monkeypatch: pytest.MonkeyPatch, gives_up_in: str
