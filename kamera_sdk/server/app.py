@@ -494,7 +494,9 @@ def create_app(
             w = held.window
             held.users += 1
             try:
-                start = await on_window(held.id, w, chat_ops.start_chat, engine, w, req, params, limits, claim(held.id))
+                let_go = held.kind == "chat"  # a user's window caches what its client sends: unlisted messages may go
+                job = partial(chat_ops.start_chat, let_go=let_go)
+                start = await on_window(held.id, w, job, engine, w, req, params, limits, claim(held.id))
             except BaseException:
                 if made_here and held.users == 1:  # a chat window made for a refused request does not stay
                     sessions.discard(held)

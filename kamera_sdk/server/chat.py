@@ -26,9 +26,10 @@ from kamera_engine.decode import TextStream
 
 from ..auto_tools import auto_grammar
 from ..chat_format import OpenTurnFormat
+from ..chunks import VISION_KINDS
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
-from .errors import PayloadTooLargeError
+from .errors import LimitExceededError, PayloadTooLargeError
 from .ops import Claim, Limits, add_image, check_tokens, claim_new, decode_image, first_piece, holds, sampling_params
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
@@ -108,19 +109,35 @@ def _data_url_bytes(url: str, limits: Limits) -> bytes:
 
 
 def sync_window(
-    win: ContextWindow, items: list[Item], sizes: dict[str, int], limits: Limits, claim: Claim | None = None
+    win: ContextWindow,
+    items: list[Item],
+    sizes: dict[str, int],
+    limits: Limits,
+    claim: Claim | None = None,
+    *,
+    let_go: bool = False,
 ) -> None:
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
-    (``sizes``: the tokens of each text item, counted by the caller; ``claim``: ``claim_new``'s)."""
+    (``sizes``: the tokens of each text item, counted by the caller; ``claim``: ``claim_new``'s).
+    ``let_go``: when the claim is refused, first forget the text messages the window holds that ``items``
+    no longer lists (a chat window keyed by ``user``: a cache of what its client sends), then claim again."""
     text_tokens = sum(sizes[item] for item in items if isinstance(item, str))
     check_tokens(win, text_tokens - win.tokens, limits)
     unseen = 0  # tokens of the messages the window has not seen (a repeated message is a copy: one more)
     copies: dict[str, int] = {}
+    listed: set[str] = set()
     for text in (item for item in items if isinstance(item, str)):
         k = copies[text] = copies.get(text, -1) + 1
-        if not holds(win, win.text_id(text, copy=k)):
+        cid = win.text_id(text, copy=k)
+        listed.add(cid)
+        if not holds(win, cid):
             unseen += sizes[text]
-    claim_new(win, text_tokens - win.tokens + unseen, claim)  # placed after the sync, and the new content
+    try:
+        claim_new(win, text_tokens - win.tokens + unseen, claim)  # placed after the sync, and the new content
+    except LimitExceededError:
+        if not let_go or not _let_go(win, listed):
+            raise
+        claim_new(win, text_tokens - win.tokens + unseen, claim)
     ids: list[str] = []
     seen: dict[str, int] = {}
     for item in items:
@@ -136,6 +153,16 @@ def sync_window(
     present = [c for c in ids if c in win]  # a token budget may have slid some out
     if list(win.chunks) != present:
         win.reorder(present)
+
+
+def _let_go(win: ContextWindow, listed: set[str]) -> bool:
+    """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed``; whether any went."""
+    unlisted = [c for c in win.chunks + win.evicted if c not in listed and win.chunk(c).kind not in VISION_KINDS]
+    for cid in unlisted:
+        if cid in win:
+            win.evict(cid)
+        win.forget(cid)
+    return bool(unlisted)
 
 
 @dataclass(slots=True)
@@ -252,10 +279,13 @@ def start_chat(
     params: SamplingParams,
     limits: Limits,
     claim: Claim | None = None,
+    *,
+    let_go: bool = False,
 ) -> ChatStart:
     """One worker job: sync the window to the messages, prefill the prompt, decode the first piece.
 
     ``win=None``: a window for this request only. ``claim``: the server's count of ``win`` (``check_tokens``).
+    ``let_go``: ``sync_window``'s (a chat window keyed by ``user``).
     """
     fmt = turn_format(engine)
     items = [item for m in req.messages[:-1] for item in message_items(m, limits, fmt)]
@@ -280,7 +310,7 @@ def start_chat(
         win = ContextWindow(engine)
     if win is not None:
         before = win.stats()
-        sync_window(win, items, sizes, limits, claim)
+        sync_window(win, items, sizes, limits, claim, let_go=let_go)
         if not known:  # images and budgets counted
             _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))
     if win is not None and len(win):

@@ -261,6 +261,40 @@ def test_forget_gives_back_what_an_evicted_chunk_held(default_engine: Engine) ->
         assert _held(c, 39) == (32, 1)
 
 
+def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(default_engine: Engine) -> None:
+    """At the bound, a chat window keyed by ``user`` forgets the messages a trimmed history no longer lists
+    rather than refusing the request; a session's window keeps what it has seen (429, nothing changed)."""
+    fmt = turn_format(default_engine)
+    assert fmt is not None
+
+    def size(text: str) -> int:
+        return len(default_engine.tokenize(fmt.turn("user", text)))
+
+    old = ["Ada lives in Lisbon.", "Bo lives in Oslo."]
+    new = "Cy lives in Rome, Dee in Paris, Eve in Berlin, Fay in Madrid and Gus in Vienna, all by rivers."
+    assert size(new) >= size(old[0]) + size(old[1])  # so the trimmed history alone fits where both do not
+    limit = 2 * size(new)
+
+    def ask(c: TestClient, texts: list[str], **key: str) -> httpx.Response:
+        msgs = [{"role": "user", "content": t} for t in [*texts, "Where?"]]
+        return c.post("/v1/chat/completions", json={**key, "max_tokens": 1, "messages": msgs})
+
+    with TestClient(make_app(default_engine, api_key=None, max_held_tokens=limit)) as c:
+        sid = c.post("/v1/sessions").json()["id"]
+        assert ask(c, old, session=sid).status_code == 200
+        assert _held(c, limit) == (2 * (size(old[0]) + size(old[1])), 1)
+        error(ask(c, [new], session=sid), 429, "LimitExceededError")
+        state = c.get(f"/v1/sessions/{sid}").json()
+        assert len(state["chunks"]) == 2 and state["evicted"] == []  # the refusal changed nothing
+        assert c.delete(f"/v1/sessions/{sid}").status_code == 204 and _held(c, limit) == (0, 0)
+
+        assert ask(c, old, user="u").status_code == 200
+        assert _held(c, limit) == (2 * (size(old[0]) + size(old[1])), 1)
+        r = ask(c, [new], user="u")
+        assert r.status_code == 200, r.text
+        assert _held(c, limit) == (2 * size(new), 1)  # the old messages were let go, placed and seen
+
+
 @pytest.mark.parametrize("gives_up_in", ["fork", "state"])
 def test_a_fork_whose_caller_gave_up_leaves_no_window_behind(
     default_engine: Engine, monkeypatch: pytest.MonkeyPatch, gives_up_in: str
