@@ -117,6 +117,7 @@ class ChunkTable:
     def __init__(self) -> None:
         self._chunks: dict[ChunkId, Chunk] = {}
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
+        self._forgotten: set[ChunkId] = set()  # forgotten by a branch while another still held them
 
     def attach(self, holder: Holder) -> None:
         """Count ``holder`` (a branch's state) among the table's users while it lives."""
@@ -126,10 +127,15 @@ class ChunkTable:
         """Whether a live branch other than ``but`` holds ``chunk_id``."""
         return any(h.holds(chunk_id) for h in list(self._holders) if h is not but)
 
-    def drop(self, chunk_id: ChunkId) -> None:
-        """Forget an entry: its canonical and patches (the caller checked that no branch holds it)."""
+    def forget(self, chunk_id: ChunkId) -> None:
+        """A branch let ``chunk_id`` go: drop every forgotten entry no live branch holds (this one now, or
+        later, at a ``forget`` after the last branch still holding it is gone)."""
         self.get(chunk_id)
-        del self._chunks[chunk_id]
+        self._forgotten.add(chunk_id)
+        live = list(self._holders)
+        for cid in [c for c in self._forgotten if not any(h.holds(c) for h in live)]:
+            self._forgotten.discard(cid)
+            self._chunks.pop(cid, None)
 
     def __contains__(self, chunk_id: object) -> bool:
         return chunk_id in self._chunks

@@ -59,6 +59,13 @@ class DependencyGraph:
         if node in self.g:
             self.g.remove_nodes_from([p for p in list(self.g.predecessors(node)) if p[0] == "patch"])
 
+    def remove_unused(self, chunk_id: ChunkId) -> None:
+        """Drop a forgotten chunk's node unless a live chunk's conditioning still names it."""
+        self.drop_conditioning(chunk_id)
+        node = self.chunk_node(chunk_id)
+        if node in self.g and self.g.out_degree(node) == 0:
+            self.g.remove_node(node)
+
     def dependents(self, chunk_id: ChunkId) -> list[ChunkId]:
         """Chunks whose live conditioning depends (transitively) on ``chunk_id``.
 

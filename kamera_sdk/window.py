@@ -255,8 +255,8 @@ class ContextWindow:
 
     @property
     def content_tokens(self) -> int:
-        """Tokens of all content this window and its branches have seen: in a window, evicted (recallable) or
-        a branch's. Their canonicals stay while any branch of the window lives."""
+        """Tokens of all content in the table this window shares with its branches: in a window, evicted
+        (recallable) or a branch's. An entry stays until ``forget`` lets it go."""
         return sum(len(c) for c in self._table.values())
 
     def __len__(self) -> int:
@@ -272,7 +272,7 @@ class ContextWindow:
         return self._table.get(chunk_id)
 
     def known(self, chunk_id: ChunkId) -> Chunk | None:
-        """The table entry of content this window or any of its branches has seen, else None (content
+        """The table entry of content this window or any of its branches holds or held, else None (content
         ids are hashes of content: a caller that builds a chunk itself asks here first, so known content
         is not processed again)."""
         return self._table.find(chunk_id)
@@ -386,7 +386,6 @@ class ContextWindow:
                 self._queue_canonical(chunk)
         self._state.slots.append(Slot(cid))
         self._pin(cid)
-        self._mark_dependents(cid)  # content this branch forgot: what had absorbed it is re-patched, as at recall
         self._changed("add")
         self._enforce_budget(keep=cid)
         return cid
@@ -444,9 +443,10 @@ class ContextWindow:
     @foreground()
     def forget(self, chunk_id: ChunkId) -> None:
         """Forget an evicted (or slid-out) chunk for good: it is no longer recallable from this window, and
-        its canonical and patches leave the content table once no other branch holds it (a store keeps
-        what it persisted). The window's KV and answers are unchanged; adding the same content again
-        later prepares it anew (from the store, or one forward) and re-patches what had absorbed it."""
+        its canonical and patches leave the content table once no other live branch holds it (at the
+        window's next ``forget`` after the last such branch is gone; a store keeps what it persisted). The
+        window's KV and answers are unchanged; adding the same content again later prepares it anew (from
+        the store, or one forward)."""
         if chunk_id in self:
             raise WindowOperationError(f"chunk {chunk_id!r} is in the window: evict it first")
         if chunk_id not in self._state.evicted:
@@ -460,16 +460,16 @@ class ContextWindow:
         else:
             self._queue.drop("leaving", chunk_id)
             self._leaving.discard(chunk_id)
+            self._executor.drop_orphans(chunk_id)
         self._queue.drop("canonical", chunk_id)
         self._uncompiled.discard(chunk_id)
         self._deferred_since_use.discard(chunk_id)
+        if self._persistence is not None:
+            self._persistence.forget(chunk_id)
         self._state.evicted.remove(chunk_id)
         self._state.media.forget(chunk_id)
-        if not shared:
-            self._executor.drop_orphans(chunk_id)
-            if self._persistence is not None:
-                self._persistence.forget(chunk_id)
-            self._table.drop(chunk_id)
+        self._state.graph.remove_unused(chunk_id)
+        self._table.forget(chunk_id)  # dropped now, or once the last other branch holding it is gone
         self._stats.time("forget", time.perf_counter() - t0)
 
     @foreground()

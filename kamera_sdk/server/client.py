@@ -509,7 +509,8 @@ class RemoteWindow:
         self._send(self._r.recall(chunk_id, at))
 
     def forget(self, chunk_id: str) -> None:
-        """Forget an evicted chunk for good (``ContextWindow.forget``): the server holds it no longer."""
+        """Forget an evicted chunk for good (``ContextWindow.forget``): no longer recallable, and no longer
+        held by the server once no fork of the session holds it."""
         self._send(self._r.forget(chunk_id))
 
     def reorder(self, order: Sequence[str] | Literal["auto"]) -> list[str]:

@@ -2,13 +2,14 @@
 
 What a session holds (``ops.held_tokens``): its window's tokens (their KV as placed) and the content its
 window and its branches have seen (``ContextWindow.content_tokens``: the chunks' position-free canonicals,
-kept while any branch lives, evicted and slid chunks included: they stay recallable). An eviction gives
-back only the placed part, a ``forget`` the content too (once no other branch holds it); deleting a
+evicted and slid chunks included: they stay recallable until forgotten). An eviction gives back only
+the placed part, a ``forget`` the content too (once no other branch holds it); deleting a
 session gives back its count, except the content its family (the windows forked from one another) still
 holds: that stays counted until the family's last session goes.
 ``max_sessions`` times ``max_session_tokens`` bounds none of this usefully (256 windows of 32768 tokens),
 so the server can bound the sum instead, refusing the content that would pass it with a 429 before
-anything changes.
+anything changes (but for a ``user``'s chat window, which first forgets the messages the request no longer
+lists: ``chat.sync_window``).
 
 A session's count is raised before its window takes new content (``claim``, run in the session's lane,
 so nothing else changes that window meanwhile) and set to what the window holds after each of its jobs

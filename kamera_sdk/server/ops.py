@@ -47,7 +47,7 @@ def window_state(session_id: str, win: ContextWindow) -> WindowState:
 
 def held_tokens(win: ContextWindow) -> int:
     """What ``max_held_tokens`` counts for a session: its window's tokens (their KV as placed) and the content
-    it and its branches have seen (their canonicals, evicted and slid chunks' included: they stay recallable)."""
+    it and its branches hold or held (their canonicals, evicted and slid chunks' included until forgotten)."""
     return win.tokens + win.content_tokens
 
 

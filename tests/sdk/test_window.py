@@ -471,10 +471,13 @@ def test_cascade_is_not_undone_by_a_patch_that_absorbed_the_recalled_chunk(engin
     assert win.stats().cascade_rematerialised == 1
 
 
-def test_forget_drops_an_evicted_chunk_and_a_re_add_cascades_like_a_recall(engine) -> None:
+@pytest.mark.parametrize("background", ["off", "manual"])
+def test_forget_drops_an_evicted_chunk_and_a_re_add_is_re_prefill_again(engine, tmp_path, background) -> None:
     """[A, B, C], slide A out and forget it: the window answers as before, A is unknown, the table lost
-    its tokens. Adding A's content again behind C re-patches C (it absorbed A), as recalling A would."""
-    win = ContextWindow(engine)
+    its tokens. Adding A's content again behind C re-prefills C (it absorbed A), as recalling A would.
+    With background work queued and a store (``manual``), the work queued for A goes with it."""
+    config = WindowConfig(rank=4, background=background)
+    win = ContextWindow(engine, config=config, store=tmp_path / "store" if background == "manual" else None)
     rec = ContextWindow(engine, policy="recompute")
     pages = [random_ids(10, seed=550 + i) for i in range(3)]
     for w in (win, rec):
@@ -484,7 +487,8 @@ def test_forget_drops_an_evicted_chunk_and_a_re_add_cascades_like_a_recall(engin
     before, content = win.next_token_logprobs(PROMPT), win.content_tokens
     win.forget(a)
     assert win.evicted == [] and win.known(a) is None and win.content_tokens == content - len(pages[0])
-    assert torch.equal(win.next_token_logprobs(PROMPT), before)
+    win.prepare()  # what stays queued never touches A
+    assert win.known(a) is None and torch.equal(win.next_token_logprobs(PROMPT), before)
     with pytest.raises(ChunkNotFoundError):
         win.recall(a)
     with pytest.raises(ChunkNotFoundError):
@@ -492,10 +496,29 @@ def test_forget_drops_an_evicted_chunk_and_a_re_add_cascades_like_a_recall(engin
     assert win.add(pages[0]) == a  # new content again: its canonical is prepared anew
     rec.recall(a)
     plan = win.plan()
-    assert [sp.source for sp in plan.slots] == [Source.LEAD, Source.FORWARD, Source.FORWARD]
-    assert plan.slots[1].reason.startswith("cascade")
+    if background == "off":  # C's KV still carries A, which now sits behind it (idle time had re-conditioned it)
+        c = plan.slots[1]
+        assert (c.source, c.reason) == (Source.FORWARD, "a chunk it absorbed now sits behind it")
     assert (win.next_token_logprobs(PROMPT) - rec.next_token_logprobs(PROMPT)).abs().max() < 1e-4
     assert win.stats().timings["forget"].count == 1
+
+
+def test_forget_drops_the_work_queued_for_a_chunk_that_left_with_a_patch_to_form(engine) -> None:
+    """B left the window with its patch still to form (a ``leaving`` task, ``background="manual"``): once B
+    is forgotten that patch is never formed, and the window answers as before."""
+    win = ContextWindow(engine, config=WindowConfig(rank=4, background="manual"))
+    ids = [win.add(random_ids(12 + i, seed=100 + i)) for i in range(3)]
+    win.next_token_logprobs(PROMPT)
+    win.prepare()
+    win.evict(ids[1])
+    assert win.stats().background_queued.get("leaving") == 1
+    before = win.next_token_logprobs(PROMPT)
+    patches = len(win.chunk(ids[1]).patches)
+    win.forget(ids[1])
+    win.prepare()
+    assert "leaving" not in win.stats().background_done and win.background_pending == 0
+    assert win.known(ids[1]) is None and patches == 0
+    assert torch.equal(win.next_token_logprobs(PROMPT), before)
 
 
 def test_forget_refuses_a_chunk_in_the_window_and_waits_for_every_branch(engine) -> None:
@@ -518,13 +541,17 @@ def test_forget_refuses_a_chunk_in_the_window_and_waits_for_every_branch(engine)
     assert torch.equal(child.next_token_logprobs(PROMPT), twin.next_token_logprobs(PROMPT))
     del child, twin
 
+    gc.collect()
+    assert win.known(ids[1]) is not None  # the branches that held it are gone; its entry waits for a forget
+
     extra = win.add(random_ids(9, seed=777))
     other = win.fork()  # holds ``extra`` until it is collected
     win.evict(extra)
     del other
     gc.collect()
-    win.forget(extra)
-    assert win.known(extra) is None and win.content_tokens == content
+    win.forget(extra)  # goes at once; and ids[1], which no live branch holds now, with it
+    assert win.known(extra) is None and win.known(ids[1]) is None
+    assert win.content_tokens == content - len(random_ids(13, seed=101))
 
 
 def test_conditioning_on_a_chunk_moved_behind_is_not_kept(engine) -> None:

@@ -68,6 +68,11 @@ def test_bad_names_and_prompts_are_refused_and_leave_the_window_alone(engine) ->
         win.generate("Describe IMAGE#A.", max_new_tokens=2)
     win.recall(win.refs["A"])
     assert win.next_token_logprobs("Describe IMAGE#A.").shape[0] > 0
+    win.evict(a)
+    win.forget(a)  # for good: its name goes with it
+    assert win.refs == {}
+    with pytest.raises(ChunkNotFoundError, match=r"IMAGE#A, but no image was added with that ref"):
+        win.generate("Describe IMAGE#A.", max_new_tokens=2)
 
 
 def test_forks_keep_the_names(engine) -> None:
