@@ -422,12 +422,7 @@ class ContextWindow:
     def recall(self, chunk_id: ChunkId, at: int | None = None) -> None:
         """Re-admit an evicted chunk at slot index ``at`` (default: the end). No re-encode; its next use
         forms a fresh patch on its now-fixed earlier context (or reuses one formed on that same context)."""
-        if chunk_id in self:
-            raise WindowOperationError(f"chunk {chunk_id!r} is already in the window")
-        if chunk_id not in self._state.evicted:
-            if chunk_id in self._table:
-                raise WindowOperationError(f"chunk {chunk_id!r} was not evicted")
-            raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+        self._check_evicted(chunk_id, "is already in the window")
         pos = len(self._state.slots) if at is None else as_index(at)
         if pos is None or not 0 <= pos <= len(self._state.slots):
             raise InvalidInputError(f"recall position must be an int in [0, {len(self._state.slots)}], got {at!r}")
@@ -440,6 +435,16 @@ class ContextWindow:
         self._changed("recall", t0)
         self._enforce_budget(keep=chunk_id)
 
+    def _check_evicted(self, chunk_id: ChunkId, in_window: str) -> None:
+        """Refuse a chunk this branch has not evicted: one in the window (``in_window`` says why), one only
+        another branch holds, an unknown one."""
+        if chunk_id in self:
+            raise WindowOperationError(f"chunk {chunk_id!r} {in_window}")
+        if chunk_id not in self._state.evicted:
+            if chunk_id in self._table:
+                raise WindowOperationError(f"chunk {chunk_id!r} was not evicted from this window")
+            raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+
     @foreground()
     def forget(self, chunk_id: ChunkId) -> None:
         """Forget an evicted (or slid-out) chunk for good: it is no longer recallable from this window, and
@@ -447,12 +452,7 @@ class ContextWindow:
         window's next ``forget`` after the last such branch is gone; a store keeps what it persisted). The
         window's KV and answers are unchanged; adding the same content again later prepares it anew (from
         the store, or one forward)."""
-        if chunk_id in self:
-            raise WindowOperationError(f"chunk {chunk_id!r} is in the window: evict it first")
-        if chunk_id not in self._state.evicted:
-            if chunk_id in self._table:
-                raise WindowOperationError(f"chunk {chunk_id!r} was not evicted from this window")
-            raise ChunkNotFoundError(f"unknown chunk {chunk_id!r}")
+        self._check_evicted(chunk_id, "is in the window: evict it first")
         t0 = time.perf_counter()
         shared = self._table.held(chunk_id, but=self._state)
         if shared:
