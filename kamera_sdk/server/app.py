@@ -494,7 +494,8 @@ def create_app(
             w = held.window
             held.users += 1
             try:
-                let_go = held.kind == "chat"  # a user's window caches what its client sends: unlisted messages may go
+                # a user's window caches what its client sends: messages no longer listed may go, if that is enough
+                let_go = partial(sessions.held.fits, held.id) if held.kind == "chat" else None
                 job = partial(chat_ops.start_chat, let_go=let_go)
                 start = await on_window(held.id, w, job, engine, w, req, params, limits, claim(held.id))
             except BaseException:

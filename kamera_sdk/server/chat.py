@@ -19,6 +19,7 @@ from __future__ import annotations
 import binascii
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
@@ -30,7 +31,18 @@ from ..chunks import VISION_KINDS
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import LimitExceededError, PayloadTooLargeError
-from .ops import Claim, Limits, add_image, check_tokens, claim_new, decode_image, first_piece, holds, sampling_params
+from .ops import (
+    Claim,
+    Limits,
+    add_image,
+    check_tokens,
+    claim_new,
+    decode_image,
+    first_piece,
+    held_tokens,
+    holds,
+    sampling_params,
+)
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
@@ -115,12 +127,13 @@ def sync_window(
     limits: Limits,
     claim: Claim | None = None,
     *,
-    let_go: bool = False,
+    let_go: Callable[[int], bool] | None = None,
 ) -> None:
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
     (``sizes``: the tokens of each text item, counted by the caller; ``claim``: ``claim_new``'s).
-    ``let_go``: when the claim is refused, first forget the text messages the window holds that ``items``
-    no longer lists (a chat window keyed by ``user``: a cache of what its client sends), then claim again."""
+    ``let_go`` (a chat window keyed by ``user``: a cache of what its client sends): when the claim is
+    refused, and the window would fit (``let_go(tokens)``) without the text messages it holds that ``items``
+    no longer lists, those are forgotten and the claim made again; otherwise nothing changes."""
     text_tokens = sum(sizes[item] for item in items if isinstance(item, str))
     check_tokens(win, text_tokens - win.tokens, limits)
     unseen = 0  # tokens of the messages the window has not seen (a repeated message is a copy: one more)
@@ -135,7 +148,7 @@ def sync_window(
     try:
         claim_new(win, text_tokens - win.tokens + unseen, claim)  # placed after the sync, and the new content
     except LimitExceededError:
-        if not let_go or not _let_go(win, listed):
+        if let_go is None or not _let_go(win, listed, text_tokens + unseen, let_go):
             raise
         claim_new(win, text_tokens - win.tokens + unseen, claim)
     ids: list[str] = []
@@ -155,14 +168,19 @@ def sync_window(
         win.reorder(present)
 
 
-def _let_go(win: ContextWindow, listed: set[str]) -> bool:
-    """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed``; whether any went."""
+def _let_go(win: ContextWindow, listed: set[str], synced: int, fits: Callable[[int], bool]) -> bool:
+    """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed`` if, without them, it would
+    fit (``fits``) holding what the sync adds (``synced``: its placed tokens and new content); whether it did."""
     unlisted = [c for c in win.chunks + win.evicted if c not in listed and win.chunk(c).kind not in VISION_KINDS]
+    placed = sum(len(win.chunk(c)) for c in unlisted if c in win)
+    content = sum(len(win.chunk(c)) for c in unlisted)  # a user's chat window has no forks to share it
+    if not unlisted or not fits(held_tokens(win) - placed - content + synced - (win.tokens - placed)):
+        return False
     for cid in unlisted:
         if cid in win:
             win.evict(cid)
         win.forget(cid)
-    return bool(unlisted)
+    return True
 
 
 @dataclass(slots=True)
@@ -280,7 +298,7 @@ def start_chat(
     limits: Limits,
     claim: Claim | None = None,
     *,
-    let_go: bool = False,
+    let_go: Callable[[int], bool] | None = None,
 ) -> ChatStart:
     """One worker job: sync the window to the messages, prefill the prompt, decode the first piece.
 

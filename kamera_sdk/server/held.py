@@ -8,8 +8,8 @@ session gives back its count, except the content its family (the windows forked 
 holds: that stays counted until the family's last session goes.
 ``max_sessions`` times ``max_session_tokens`` bounds none of this usefully (256 windows of 32768 tokens),
 so the server can bound the sum instead, refusing the content that would pass it with a 429 before
-anything changes (but for a ``user``'s chat window, which first forgets the messages the request no longer
-lists: ``chat.sync_window``).
+anything changes (a ``user``'s chat window may instead forget the messages the request no longer lists,
+if that makes it fit: ``chat.sync_window``).
 
 A session's count is raised before its window takes new content (``claim``, run in the session's lane,
 so nothing else changes that window meanwhile) and set to what the window holds after each of its jobs
@@ -94,6 +94,14 @@ class HeldTokens:
         nothing: an early refusal, before work whose own ``claim`` decides)."""
         with self._lock:
             self._refuse(self._sum() + more)
+
+    def fits(self, key: Hashable, tokens: int) -> bool:
+        """Whether ``key``'s session could hold ``tokens`` now (records nothing)."""
+        with self._lock:
+            mine = self._held.get(key)
+            if mine is None or tokens <= mine or self.limit is None:
+                return True
+            return self._sum() - mine + tokens <= self.limit
 
     def claim(self, key: Hashable, tokens: int) -> None:
         """Let ``key``'s session hold ``tokens`` or raise ``LimitExceededError`` (counts unchanged).

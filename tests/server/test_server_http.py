@@ -263,7 +263,8 @@ def test_forget_gives_back_what_an_evicted_chunk_held(default_engine: Engine) ->
 
 def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(default_engine: Engine) -> None:
     """At the bound, a chat window keyed by ``user`` forgets the messages a trimmed history no longer lists
-    rather than refusing the request; a session's window keeps what it has seen (429, nothing changed)."""
+    rather than refusing the request, if that is enough (else 429, nothing changed); a session's window keeps
+    what it has seen (429, nothing changed)."""
     fmt = turn_format(default_engine)
     assert fmt is not None
 
@@ -290,6 +291,8 @@ def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(defau
 
         assert ask(c, old, user="u").status_code == 200
         assert _held(c, limit) == (2 * (size(old[0]) + size(old[1])), 1)
+        error(ask(c, [old[0], new], user="u"), 429, "LimitExceededError")  # letting old[1] go is not enough
+        assert _held(c, limit) == (2 * (size(old[0]) + size(old[1])), 1)  # so nothing was let go
         r = ask(c, [new], user="u")
         assert r.status_code == 200, r.text
         assert _held(c, limit) == (2 * size(new), 1)  # the old messages were let go, placed and seen
