@@ -238,9 +238,9 @@ class KameraReplica:
         if local is not None:
             self.state.sessions.delete(session)
         window, tokens, held = await self.state.worker.run(self._build, record)
-        self.state.sessions.reserve()
-        self.state.sessions.add(window, key=session)
         sessions = self.state.sessions
+        sessions.reserve()
+        sessions.add(window, key=session)
         sessions.held.settle(session, held, sessions.held.ticket(session))  # counted against max_held_tokens
         self.versions[session], self.known[session] = record.version, set(record.chunks)
         self.options[session] = record.options

@@ -39,7 +39,6 @@ from .ops import (
     claim_new,
     decode_image,
     first_piece,
-    held_tokens,
     holds,
     sampling_params,
 )
@@ -145,12 +144,13 @@ def sync_window(
         listed.add(cid)
         if not holds(win, cid):
             unseen += sizes[text]
+    synced = text_tokens + unseen  # placed after the sync, and the new content
     try:
-        claim_new(win, text_tokens - win.tokens + unseen, claim)  # placed after the sync, and the new content
+        claim_new(win, synced - win.tokens, claim)
     except LimitExceededError:
-        if let_go is None or not _let_go(win, listed, text_tokens + unseen, let_go):
+        if let_go is None or not _let_go(win, listed, synced, let_go):
             raise
-        claim_new(win, text_tokens - win.tokens + unseen, claim)
+        claim_new(win, synced - win.tokens, claim)
     ids: list[str] = []
     seen: dict[str, int] = {}
     for item in items:
@@ -172,9 +172,8 @@ def _let_go(win: ContextWindow, listed: set[str], synced: int, fits: Callable[[i
     """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed`` if, without them, it would
     fit (``fits``) holding what the sync adds (``synced``: its placed tokens and new content); whether it did."""
     unlisted = [c for c in win.chunks + win.evicted if c not in listed and win.chunk(c).kind not in VISION_KINDS]
-    placed = sum(len(win.chunk(c)) for c in unlisted if c in win)
-    content = sum(len(win.chunk(c)) for c in unlisted)  # a user's chat window has no forks to share it
-    if not unlisted or not fits(held_tokens(win) - placed - content + synced - (win.tokens - placed)):
+    gone = sum(len(win.chunk(c)) for c in unlisted)  # content only: a user's chat window has no forks sharing it
+    if not unlisted or not fits(win.content_tokens - gone + synced):  # held after the sync (ops.held_tokens)
         return False
     for cid in unlisted:
         if cid in win:
