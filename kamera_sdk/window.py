@@ -407,15 +407,20 @@ class ContextWindow:
 
     # --- window operations ---------------------------------------------------------------------
     @foreground()
-    def evict(self, chunk_id: ChunkId) -> None:
-        """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled."""
+    def evict(self, chunk_id: ChunkId, *, forget: bool = False) -> None:
+        """Drop a chunk's conditioned KV from the window; its canonical stays, so it can be recalled.
+        ``forget=True``: let it go for good at once (``forget``), without forming the patch it would have
+        been recalled with (unless another branch holds it and may recall it)."""
         idx = self._index(chunk_id)
         t0 = time.perf_counter()
-        self._leave([self._state.slots[idx]])
+        if not forget or self._table.held(chunk_id, but=self._state):
+            self._leave([self._state.slots[idx]])
         self._state.slots.pop(idx)
         self._unpin(chunk_id)
         self._state.graph.drop_conditioning(chunk_id)
         self._state.evicted.append(chunk_id)
+        if forget:  # before the step's bookkeeping, which would queue or form work for it
+            self._forget(chunk_id)
         self._changed("evict", t0)
 
     @foreground()
@@ -452,7 +457,10 @@ class ContextWindow:
         window's next ``forget`` after the last such branch is gone; a store keeps what it persisted). The
         window's KV and answers are unchanged; adding the same content again later prepares it anew (from
         the store, or one forward)."""
-        self._check_evicted(chunk_id, "is in the window: evict it first")
+        self._check_evicted(chunk_id, "is in the window: evict it first (or evict(..., forget=True))")
+        self._forget(chunk_id)
+
+    def _forget(self, chunk_id: ChunkId) -> None:
         t0 = time.perf_counter()
         shared = self._table.held(chunk_id, but=self._state)
         if shared:

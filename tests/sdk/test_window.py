@@ -521,6 +521,31 @@ def test_forget_drops_the_work_queued_for_a_chunk_that_left_with_a_patch_to_form
     assert torch.equal(win.next_token_logprobs(PROMPT), before)
 
 
+def test_evict_and_forget_at_once_forms_no_patch_for_a_recall_that_cannot_come(engine) -> None:
+    """``evict(c, forget=True)`` answers as ``evict`` then ``forget`` do, without forming the patch B would
+    have been recalled with (background work off: ``evict`` alone forms it inline)."""
+    pages = [random_ids(12 + i, seed=100 + i) for i in range(3)]
+    wins = [ContextWindow(engine, config=WindowConfig(rank=4)) for _ in range(2)]
+    for w in wins:
+        ids = [w.add(p) for p in pages]
+        w.next_token_logprobs(PROMPT)
+    at_once, apart = wins
+    formed = sum(at_once.stats().formed.values())
+    at_once.evict(ids[1], forget=True)
+    assert sum(at_once.stats().formed.values()) == formed  # nothing formed for B
+    apart.evict(ids[1])
+    assert sum(apart.stats().formed.values()) > formed  # evict alone forms it
+    apart.forget(ids[1])
+    for w in wins:
+        assert w.chunks == [ids[0], ids[2]] and w.evicted == [] and w.known(ids[1]) is None
+    assert torch.equal(at_once.next_token_logprobs(PROMPT), apart.next_token_logprobs(PROMPT))
+    child = at_once.fork()
+    before = child.next_token_logprobs(PROMPT)
+    at_once.evict(ids[0], forget=True)  # the child still holds A: it stays in the table
+    assert at_once.evicted == [] and at_once.known(ids[0]) is not None
+    assert torch.equal(child.next_token_logprobs(PROMPT), before)
+
+
 def test_forget_refuses_a_chunk_in_the_window_and_waits_for_every_branch(engine) -> None:
     win, ids = _filled(engine, n=3)
     win.next_token_logprobs(PROMPT)
