@@ -495,8 +495,7 @@ def create_app(
             held.users += 1
             try:
                 # a user's window caches what its client sends: messages no longer listed may go, if that is enough
-                let_go = partial(sessions.held.fits, held.id) if held.kind == "chat" else None
-                job = partial(chat_ops.start_chat, let_go=let_go)
+                job = partial(chat_ops.start_chat, let_go=held.kind == "chat")
                 start = await on_window(held.id, w, job, engine, w, req, params, limits, claim(held.id))
             except BaseException:
                 if made_here and held.users == 1:  # a chat window made for a refused request does not stay

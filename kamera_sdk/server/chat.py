@@ -19,7 +19,6 @@ from __future__ import annotations
 import binascii
 import json
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kamera_engine import Engine, Grammar, InvalidInputError, SamplingParams
@@ -126,13 +125,13 @@ def sync_window(
     limits: Limits,
     claim: Claim | None = None,
     *,
-    let_go: Callable[[int], bool] | None = None,
+    let_go: bool = False,
 ) -> None:
     """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
     (``sizes``: the tokens of each text item, counted by the caller; ``claim``: ``claim_new``'s).
     ``let_go`` (a chat window keyed by ``user``: a cache of what its client sends): when the claim is
-    refused, and the window would fit (``let_go(tokens)``) without the text messages it holds that ``items``
-    no longer lists, those are forgotten and the claim made again; otherwise nothing changes."""
+    refused, and the window would fit without the text messages it holds that ``items`` no longer lists,
+    those are forgotten and the claim made again; otherwise nothing changes."""
     text_tokens = sum(sizes[item] for item in items if isinstance(item, str))
     check_tokens(win, text_tokens - win.tokens, limits)
     unseen = 0  # tokens of the messages the window has not seen (a repeated message is a copy: one more)
@@ -148,7 +147,7 @@ def sync_window(
     try:
         claim_new(win, synced - win.tokens, claim)
     except LimitExceededError:
-        if let_go is None or not _let_go(win, listed, synced, let_go):
+        if not let_go or claim is None or not _let_go(win, listed, synced, claim):
             raise
         claim_new(win, synced - win.tokens, claim)
     ids: list[str] = []
@@ -168,17 +167,23 @@ def sync_window(
         win.reorder(present)
 
 
-def _let_go(win: ContextWindow, listed: set[str], synced: int, fits: Callable[[int], bool]) -> bool:
-    """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed`` if, without them, it would
-    fit (``fits``) holding what the sync adds (``synced``: its placed tokens and new content); whether it did."""
+def _let_go(win: ContextWindow, listed: set[str], synced: int, claim: Claim) -> bool:
+    """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed`` if, without them, it could
+    hold what the sync adds (``synced``: its placed tokens and new content); whether it did. What it will hold
+    is claimed before anything is forgotten, so no other session takes those tokens in between."""
     unlisted = [c for c in win.chunks + win.evicted if c not in listed and win.chunk(c).kind not in VISION_KINDS]
+    if not unlisted:
+        return False
     gone = sum(len(win.chunk(c)) for c in unlisted)  # content only: a user's chat window has no forks sharing it
-    if not unlisted or not fits(win.content_tokens - gone + synced):  # held after the sync (ops.held_tokens)
+    try:
+        claim(win.content_tokens - gone + synced)  # held after the sync (ops.held_tokens)
+    except LimitExceededError:
         return False
     for cid in unlisted:
         if cid in win:
-            win.evict(cid)
-        win.forget(cid)
+            win.evict(cid, forget=True)  # no patch formed for a recall that cannot come
+        else:
+            win.forget(cid)
     return True
 
 
@@ -297,7 +302,7 @@ def start_chat(
     limits: Limits,
     claim: Claim | None = None,
     *,
-    let_go: Callable[[int], bool] | None = None,
+    let_go: bool = False,
 ) -> ChatStart:
     """One worker job: sync the window to the messages, prefill the prompt, decode the first piece.
 

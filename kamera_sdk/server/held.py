@@ -95,14 +95,6 @@ class HeldTokens:
         with self._lock:
             self._refuse(self._sum() + more)
 
-    def fits(self, key: Hashable, tokens: int) -> bool:
-        """Whether ``key``'s session could hold ``tokens`` now (records nothing)."""
-        with self._lock:
-            mine = self._held.get(key)
-            if mine is None or tokens <= mine or self.limit is None:
-                return True
-            return self._sum() - mine + tokens <= self.limit
-
     def claim(self, key: Hashable, tokens: int) -> None:
         """Let ``key``'s session hold ``tokens`` or raise ``LimitExceededError`` (counts unchanged).
 

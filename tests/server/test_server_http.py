@@ -7,7 +7,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from kamera_engine import Engine, InvalidInputError
 from kamera_sdk import ContextWindow
 from kamera_sdk.server.chat import turn_format
+from kamera_sdk.server.errors import LimitExceededError
 from tests.server.conftest import MAX_BODY, LiveServer, make_app
 
 pytestmark = pytest.mark.slow
@@ -261,7 +262,9 @@ def test_forget_gives_back_what_an_evicted_chunk_held(default_engine: Engine) ->
         assert _held(c, 39) == (32, 1)
 
 
-def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(default_engine: Engine) -> None:
+def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(
+    default_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At the bound, a chat window keyed by ``user`` forgets the messages a trimmed history no longer lists
     rather than refusing the request, if that is enough (else 429, nothing changed); a session's window keeps
     what it has seen (429, nothing changed)."""
@@ -293,9 +296,28 @@ def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(defau
         assert _held(c, limit) == (2 * (size(old[0]) + size(old[1])), 1)
         error(ask(c, [old[0], new], user="u"), 429, "LimitExceededError")  # letting old[1] go is not enough
         assert _held(c, limit) == (2 * (size(old[0]) + size(old[1])), 1)  # so nothing was let go
+
+        # another session claims while the messages are let go: the tokens the let-go needs are already its
+        other = c.post("/v1/sessions").json()["id"]
+        counts = c.app.state.kamera.sessions.held  # type: ignore[attr-defined]
+        refused: list[LimitExceededError] = []
+
+        def claimed_meanwhile(op: Callable[..., None]) -> Callable[..., None]:
+            def run(self: ContextWindow, chunk_id: str, **kw: Any) -> None:
+                try:
+                    counts.claim(other, 1)
+                except LimitExceededError as exc:
+                    refused.append(exc)
+                op(self, chunk_id, **kw)
+
+            return run
+
+        for name in ("evict", "forget"):  # however the messages are let go
+            monkeypatch.setattr(ContextWindow, name, claimed_meanwhile(getattr(ContextWindow, name)))
         r = ask(c, [new], user="u")
         assert r.status_code == 200, r.text
-        assert _held(c, limit) == (2 * size(new), 1)  # the old messages were let go, placed and seen
+        assert refused  # the other session's claim came too late
+        assert _held(c, limit) == (2 * size(new), 2)  # the old messages were let go, placed and seen
 
 
 @pytest.mark.parametrize("gives_up_in", ["fork", "state"])

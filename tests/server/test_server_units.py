@@ -109,9 +109,6 @@ def test_held_tokens_claim_settle_and_forget() -> None:
     with pytest.raises(LimitExceededError, match="would hold 101 tokens"):
         held.check(81)
     assert held.total == 20
-    assert held.fits("a", 100) and not held.fits("a", 101) and held.fits("a", 5)  # records nothing either
-    assert held.fits("gone", 10**9) and HeldTokens().fits("x", 10**12)  # uncounted, unbounded
-    assert held.total == 20
 
 
 def test_held_tokens_count_a_family_until_its_last_session_goes() -> None:
