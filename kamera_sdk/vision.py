@@ -135,6 +135,31 @@ def _chunk(
     return Chunk(cid, kind, [*prefix, *entry.token_ids], text=label)  # type: ignore[attr-defined]
 
 
+def image_chunk(
+    win: WindowSeam,
+    media: WindowMedia,
+    image: ImageInput,
+    *,
+    ref: str | None = None,
+    limits: FetchLimits = DEFAULT_LIMITS,
+) -> Chunk:
+    """The chunk ``add_image`` appends for ``image``, not yet in the window (the vision tower runs here,
+    once per distinct picture): its length is the tokens it takes. ``ref``: as ``add_image``'s (checked,
+    not yet recorded)."""
+    engine = _engine(win, "add_image")
+    if ref is not None and (not isinstance(ref, str) or not _REF_NAME.fullmatch(ref)):
+        raise InvalidInputError(f"image ref {ref!r}: use 1-64 letters, digits or '_' (the prompt says IMAGE#<ref>)")
+    img = load_image(image, limits=limits)
+    digest = image_digest(img)
+    name = "image" if ref is None else f"IMAGE#{ref}"
+    label = f"[{name} {img.width}x{img.height}]"
+    prefix = [] if ref is None else engine.tokenize(f"{name}: ")  # a name is part of the chunk's content
+    cid = content_id("image", (digest if ref is None else f"{digest}#{ref}").encode())
+    if ref is not None:
+        media.check_name(ref, cid)
+    return _chunk(win, media, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
+
+
 def add_image(
     win: WindowSeam,
     media: WindowMedia,
@@ -148,18 +173,7 @@ def add_image(
     ``ref``: a name (letters, digits, ``_``; at most 64) the prompt can use as ``IMAGE#<ref>``; the chunk
     then starts with the text ``IMAGE#<ref>:`` so the model reads the name next to the picture.
     """
-    engine = _engine(win, "add_image")
-    if ref is not None and (not isinstance(ref, str) or not _REF_NAME.fullmatch(ref)):
-        raise InvalidInputError(f"image ref {ref!r}: use 1-64 letters, digits or '_' (the prompt says IMAGE#<ref>)")
-    img = load_image(image, limits=limits)
-    digest = image_digest(img)
-    name = "image" if ref is None else f"IMAGE#{ref}"
-    label = f"[{name} {img.width}x{img.height}]"
-    prefix = [] if ref is None else engine.tokenize(f"{name}: ")  # a name is part of the chunk's content
-    cid = content_id("image", (digest if ref is None else f"{digest}#{ref}").encode())
-    if ref is not None:
-        media.check_name(ref, cid)
-    chunk = _chunk(win, media, engine, cid, "image", lambda: engine.register_image(img, digest), label, prefix)
+    chunk = image_chunk(win, media, image, ref=ref, limits=limits)
     (chunk_id,) = win.admit(chunk)
     if ref is not None:
         media.name(ref, chunk_id)

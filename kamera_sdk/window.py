@@ -47,6 +47,7 @@ from .config import WindowConfig
 from .envelope import judge
 from .executor import Execution, Executor
 from .graph import DependencyGraph
+from .media import DEFAULT_LIMITS, FetchLimits
 from .metering import EngineMeter
 from .persistence import Persistence
 from .placement import best_order
@@ -331,6 +332,12 @@ class ContextWindow:
     def add_image(self, image: object, **kwargs: object) -> ChunkId:
         """Append an image chunk (PIL image, path, bytes or http(s) URL; VLM engines). See ``vision``."""
         return vision.add_image(self, self._state.media, image, **kwargs)  # type: ignore[arg-type]
+
+    @foreground()
+    def image_chunk(self, image: object, *, limits: FetchLimits = DEFAULT_LIMITS) -> Chunk:
+        """The chunk ``add_image(image)`` would append, not yet in the window (the vision tower runs here,
+        once per picture): ``len()`` is the tokens it would take, ``admit`` appends it."""
+        return vision.image_chunk(self, self._state.media, image, limits=limits)  # type: ignore[arg-type]
 
     @foreground()
     def add_video(self, video: object, **kwargs: object) -> list[ChunkId]:

@@ -95,3 +95,19 @@ def test_generate_streams_the_same_text_and_stops_on_a_string(engine) -> None:
     cut = whole[len(whole) // 2 :][:3]  # a stop string taken from the answer itself
     stopped = win.generate("Question: w5 w6", max_new_tokens=8, stop=cut)
     assert stopped == whole[: whole.index(cut)]  # one string is one stop string, not its characters
+
+
+def test_an_image_chunk_is_known_before_it_is_added(engine) -> None:
+    """``image_chunk`` gives the chunk ``add_image`` would append (its length: the tokens it takes) and leaves
+    the window as it was; ``admit`` appends it, and neither adding it nor adding the picture again re-runs
+    the tower."""
+    win = ContextWindow(engine)
+    win.add_text("w1 w2")
+    runs, before = engine.tower_runs, (win.chunks, win.tokens, win.content_tokens)
+    chunk = win.image_chunk(noise_image(7319))
+    assert (win.chunks, win.tokens, win.content_tokens) == before and chunk.id not in win
+    assert win.admit(chunk) == [chunk.id] and win.tokens == before[1] + len(chunk)
+    assert win.add_image(noise_image(7319)) == chunk.id and engine.tower_runs - runs == 1
+    assert ContextWindow(engine, policy="recompute").add_image(noise_image(7319)) == chunk.id
+    with pytest.raises(InvalidInputError):
+        win.image_chunk(b"not an image")
