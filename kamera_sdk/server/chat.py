@@ -26,14 +26,13 @@ from kamera_engine.decode import TextStream
 
 from ..auto_tools import auto_grammar
 from ..chat_format import OpenTurnFormat
-from ..chunks import VISION_KINDS
+from ..chunks import Chunk
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import LimitExceededError, PayloadTooLargeError
 from .ops import (
     Claim,
     Limits,
-    add_image,
     check_tokens,
     claim_new,
     decode_image,
@@ -118,32 +117,42 @@ def _data_url_bytes(url: str, limits: Limits) -> bytes:
         raise InvalidInputError(f"bad image data: {exc}") from exc
 
 
+def placed_tokens(items: list[str | Chunk], sizes: dict[str, int]) -> int:
+    """The tokens ``items`` take in a window (``sizes``: each text's; the same picture twice is one chunk)."""
+    images = {i.id: len(i) for i in items if isinstance(i, Chunk)}
+    return sum(sizes[i] for i in items if isinstance(i, str)) + sum(images.values())
+
+
 def sync_window(
     win: ContextWindow,
-    items: list[Item],
+    items: list[str | Chunk],
     sizes: dict[str, int],
     limits: Limits,
     claim: Claim | None = None,
     *,
     let_go: bool = False,
 ) -> None:
-    """Make ``win`` hold exactly ``items`` in this order, reusing every chunk it already has
-    (``sizes``: the tokens of each text item, counted by the caller; ``claim``: ``claim_new``'s).
+    """Make ``win`` hold exactly ``items`` in this order (texts, and image chunks from ``image_chunk``),
+    reusing every chunk it already has (``sizes``: the tokens of each text item, counted by the caller;
+    ``claim``: ``claim_new``'s); everything is counted before anything changes.
     ``let_go`` (a chat window keyed by ``user``: a cache of what its client sends): when the claim is
-    refused, and the window would fit without the text messages it holds that ``items`` no longer lists,
-    those are forgotten and the claim made again; otherwise nothing changes."""
-    text_tokens = sum(sizes[item] for item in items if isinstance(item, str))
-    check_tokens(win, text_tokens - win.tokens, limits)
-    unseen = 0  # tokens of the messages the window has not seen (a repeated message is a copy: one more)
+    refused, and the window would fit without the chunks it holds that ``items`` no longer lists, those
+    are forgotten and the claim made again; otherwise nothing changes."""
+    placed = placed_tokens(items, sizes)
+    check_tokens(win, placed - win.tokens, limits)
+    unseen = 0  # tokens of the content the window has not seen (a repeated message is a copy: one more)
     copies: dict[str, int] = {}
     listed: set[str] = set()
-    for text in (item for item in items if isinstance(item, str)):
-        k = copies[text] = copies.get(text, -1) + 1
-        cid = win.text_id(text, copy=k)
+    for item in items:
+        if isinstance(item, str):
+            k = copies[item] = copies.get(item, -1) + 1
+            cid, n = win.text_id(item, copy=k), sizes[item]
+        else:
+            cid, n = item.id, len(item)
+        if cid not in listed and not holds(win, cid):
+            unseen += n
         listed.add(cid)
-        if not holds(win, cid):
-            unseen += sizes[text]
-    synced = text_tokens + unseen  # placed after the sync, and the new content
+    synced = placed + unseen  # placed after the sync, and the new content
     try:
         claim_new(win, synced - win.tokens, claim)
     except LimitExceededError:
@@ -157,7 +166,7 @@ def sync_window(
             k = seen[item] = seen.get(item, -1) + 1
             cid = str(win.add_text(item, copy=k))  # a repeated message is a message again
         else:
-            cid = add_image(win, item)
+            cid = str(win.admit(item)[0])
         if cid not in ids:  # the same picture twice is one chunk
             ids.append(cid)
     for cid in [c for c in win.chunks if c not in ids]:
@@ -168,10 +177,10 @@ def sync_window(
 
 
 def _let_go(win: ContextWindow, listed: set[str], synced: int, claim: Claim) -> bool:
-    """Forget the text chunks of ``win`` (placed or evicted) that are not ``listed`` if, without them, it could
+    """Forget the chunks of ``win`` (placed or evicted) that are not ``listed`` if, without them, it could
     hold what the sync adds (``synced``: its placed tokens and new content); whether it did. What it will hold
     is claimed before anything is forgotten, so no other session takes those tokens in between."""
-    unlisted = [c for c in win.chunks + win.evicted if c not in listed and win.chunk(c).kind not in VISION_KINDS]
+    unlisted = [c for c in win.chunks + win.evicted if c not in listed]
     if not unlisted:
         return False
     gone = sum(len(win.chunk(c)) for c in unlisted)  # content only: a user's chat window has no forks sharing it
@@ -323,17 +332,18 @@ def start_chat(
         params = replace(params, grammar=relevance_grammar(engine, fmt, req))
     anchor = len(engine.anchor_ids)
     sizes = {i: len(engine.tokenize(i)) for i in items if isinstance(i, str)}  # each text tokenized once
-    text_tokens = sum(sizes[i] for i in items if isinstance(i, str))
-    holds_all = win is None or win.config.budget_tokens is None  # no budget slides messages out in the sync
-    known = holds_all and all(isinstance(i, str) for i in items)  # the synced size is known now
-    if known:  # refuse before any change
-        _fit_answer(engine, req, params, anchor + text_tokens + len(prompt_ids))
     if win is None and items:
         win = ContextWindow(engine)
-    if win is not None:
+    if win is None:
+        _fit_answer(engine, req, params, anchor + len(prompt_ids))
+    else:
         before = win.stats()
-        sync_window(win, items, sizes, limits, claim, let_go=let_go)
-        if not known:  # images and budgets counted
+        chunks = [win.image_chunk(i) if isinstance(i, bytes) else i for i in items]  # the window is unchanged
+        holds_all = win.config.budget_tokens is None  # no budget slides messages out in the sync
+        if holds_all:  # the synced size is known now: refuse before any change
+            _fit_answer(engine, req, params, anchor + placed_tokens(chunks, sizes) + len(prompt_ids))
+        sync_window(win, chunks, sizes, limits, claim, let_go=let_go)
+        if not holds_all:  # a budget may have slid some out
             _fit_answer(engine, req, params, anchor + win.tokens + len(prompt_ids))
     if win is not None and len(win):
         pieces = win.generate(

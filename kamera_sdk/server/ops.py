@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kamera_engine import Grammar, InvalidInputError, SamplingParams, TextStream, UnsupportedModelError
+from kamera_engine import Grammar, InvalidInputError, SamplingParams, TextStream
 from kamera_engine.decode import stop_strings
 
 from ..chunks import ChunkId, tokens_id
@@ -88,14 +88,6 @@ def decode_image(data: str, limits: Limits) -> bytes:
         raise InvalidInputError(f"image_base64 is not valid base64: {exc}") from exc
 
 
-def add_image(win: ContextWindow, image: bytes) -> str:
-    """Append an image chunk; needs a VLM engine and an SDK whose windows have ``add_image``."""
-    add = getattr(win, "add_image", None)
-    if add is None:
-        raise UnsupportedModelError("image chunks need a vision-language engine (ContextWindow.add_image)")
-    return str(add(image))
-
-
 def add_chunk(
     session_id: str, win: ContextWindow, req: ChunkAdd, limits: Limits, claim: Claim | None = None
 ) -> tuple[str, WindowState]:
@@ -118,10 +110,11 @@ def add_chunk(
         cid = win.add(req.token_ids, kind=req.kind)
     else:
         assert req.image_base64 is not None  # the schema admits exactly one kind of content
-        image = decode_image(req.image_base64, limits)
-        check_tokens(win, 1, limits)  # its size is known once it is encoded: at least one token must fit
-        claim_new(win, 1, claim)
-        return add_image(win, image), window_state(session_id, win)
+        chunk = win.image_chunk(decode_image(req.image_base64, limits))  # the tower runs; the window is unchanged
+        if chunk.id not in win:
+            check_tokens(win, len(chunk), limits)
+            claim_new(win, new_content(win, chunk.id, len(chunk)), claim)
+        (cid,) = win.admit(chunk)
     return str(cid), window_state(session_id, win)
 
 
