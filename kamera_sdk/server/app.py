@@ -488,8 +488,22 @@ def create_app(
                 sessions.reserve()
                 held = sessions.add(ContextWindow(engine, store=state.store), key=chat_key(req.user), kind="chat")
                 made_here = True
-        if held is None:  # a window for this request only: nothing is held once it ends
-            start = await worker.run_keyed(None, chat_ops.start_chat, engine, None, req, params, limits)
+        lease: str | None = None  # a window for this request only: counted until its answer ends
+
+        def release() -> None:
+            if lease is not None:
+                sessions.held.close(lease, shared=False)
+
+        if held is None:
+            lease = f"request-{uuid.uuid4().hex}"
+            sessions.held.open(lease)
+            try:
+                start = await worker.run_keyed(
+                    None, chat_ops.start_chat, engine, None, req, params, limits, claim(lease)
+                )
+            except BaseException:
+                release()
+                raise
         else:
             w = held.window
             held.users += 1
@@ -506,9 +520,12 @@ def create_app(
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            body = _sse_chat(worker, start, cid, created, model, include_usage, req)
+            body = _then(_sse_chat(worker, start, cid, created, model, include_usage, req), release)
             return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        text = (start.first or "") + "".join(await _collect(request, worker.iterate(start.pieces)))
+        try:
+            text = (start.first or "") + "".join(await _collect(request, worker.iterate(start.pieces)))
+        finally:
+            release()
         message, finish = chat_ops.answer_message(req, text, _finish(start.pieces))
         return ChatCompletion(
             id=cid,
@@ -545,6 +562,15 @@ def _usage(start: chat_ops.ChatStart) -> Usage:
 def _close_all(windows: list[ContextWindow]) -> None:
     for window in windows:
         window.close()
+
+
+async def _then(body: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``body``, then ``done()`` however it ends (drained, failed, or closed when its client went away)."""
+    try:
+        async for part in body:
+            yield part
+    finally:
+        done()
 
 
 def _finish(pieces: TextStream) -> Any:

@@ -14,8 +14,9 @@ if that makes it fit: ``chat.sync_window``).
 A session's count is raised before its window takes new content (``claim``, run in the session's lane,
 so nothing else changes that window meanwhile) and set to what the window holds after each of its jobs
 (``settle``). A count is never below what its window holds, so no interleaving lets the sum pass the
-limit. Only the sessions the registry holds are counted (``open`` / ``close``); a job settles only the
-session it was started for (``ticket``), not a later one under the same key.
+limit. Only the sessions the registry holds are counted (``open`` / ``close``), and a chat request's own
+window while its answer runs; a job settles only the session it was started for (``ticket``), not a
+later one under the same key.
 """
 
 from __future__ import annotations

@@ -320,6 +320,40 @@ def test_a_user_chat_window_lets_go_of_messages_its_client_no_longer_sends(
         assert _held(c, limit) == (2 * size(new), 2)  # the old messages were let go, placed and seen
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_request_without_a_session_is_counted_while_its_answer_runs(
+    default_engine: Engine, stream: bool
+) -> None:
+    """A chat request with neither ``session`` nor ``user`` holds a window of its own for as long as its answer
+    runs: its messages count against ``max_held_tokens`` (429 past it, nothing left behind), and the count
+    goes when the answer ends."""
+    messages = [{"role": "user", "content": "Ada lives in Lisbon, Bo in Oslo."}, {"role": "user", "content": "Where?"}]
+    body = {"max_tokens": 2, "messages": messages, "stream": stream}
+    with TestClient(make_app(default_engine, api_key=None)) as c:  # what its window holds
+        counts = c.app.state.kamera.sessions.held  # type: ignore[attr-defined]
+        seen: list[int] = []
+        claim = counts.claim
+
+        def recorded(key: Any, tokens: int) -> None:
+            seen.append(tokens)
+            claim(key, tokens)
+
+        counts.claim = recorded
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert len(seen) == 1 and seen[0] > 0 and _held(c, None) == (0, 0)  # gone with the answer
+    held = seen[0]
+    with TestClient(make_app(default_engine, api_key=None, max_held_tokens=held)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert _held(c, held) == (0, 0)
+        sid = c.post("/v1/sessions").json()["id"]
+        assert c.post(f"/v1/sessions/{sid}/chunks", json={"text": "one more"}).status_code == 201
+        before = _held(c, held)
+        assert 0 < before[0] < held and before[1] == 1
+        error(c.post("/v1/chat/completions", json=body), 429, "LimitExceededError")  # the session holds some
+        assert _held(c, held) == before
+
+
 @pytest.mark.parametrize("gives_up_in", ["fork", "state"])
 def test_a_fork_whose_caller_gave_up_leaves_no_window_behind(
     default_engine: Engine, monkeypatch: pytest.MonkeyPatch, gives_up_in: str
