@@ -193,8 +193,21 @@ def _load(
     }
 
 
-def _peak_rss_bytes() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+def reset_peak_rss() -> bool:
+    """Start this process's peak-RSS count afresh from what it holds now (Linux: ``/proc/self/clear_refs``),
+    so that an arm's peak is its own; False where the OS cannot (the peak is then the process's so far)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak RSS since it started, or since ``reset_peak_rss``."""
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def repeated_decode_step(
@@ -377,6 +390,7 @@ def arm(
     ``app_options``: more ``create_app`` keywords (``step_tokens``, ...); ``observer``: called with each of the
     batched server's steps while the sessions run (``Scheduler.observe``)."""
     print(f"serve: {sessions} sessions, {arm_name(batch)}", file=sys.stderr)
+    own_peak = reset_peak_rss()  # else an arm would report the peak of the arms before it
     with _served(engine, batch, app_options or {}) as (url, app):
         sched = app.state.kamera.scheduler
         if observer is not None and sched is None:
@@ -388,7 +402,8 @@ def arm(
 
         with sched.observe(observer) if observer is not None else nullcontext():
             figures = _load(url, sessions, rounds, max_new_tokens, on_start=mark("start"), on_end=mark("end"))
-        figures["peak_rss_bytes"] = _peak_rss_bytes()
+        figures["peak_rss_bytes"] = peak_rss_bytes()
+        figures["peak_rss_of"] = "arm" if own_peak else "process"  # whose peak: this arm's, or the process's so far
         figures["load_avg_1m"] = os.getloadavg()[0]
         if sched is not None:
             s = sched.stats()

@@ -66,6 +66,7 @@ def test_an_arm_takes_create_app_options_and_reports_its_steps() -> None:
     figures = serve.arm(engine, 2, True, 2, 4, app_options={"step_tokens": 16}, observer=log.append)
     assert figures["errors"] == [] and figures["answers"] == 4 and figures["tokens"] > 0
     assert (figures["step_tokens"], figures["max_batch_rows"]) == (16, 64)
+    assert figures["peak_rss_of"] == "arm" and figures["peak_rss_bytes"] > 0
     assert sum(s.decode_rows for s in log) > 0 and sum(s.window_tokens for s in log) > 4 * 16
     assert max(s.prompt_tokens for s in log) == 16  # chunks (a prompt of the default step would run whole)
     # the stepping thread over the sessions' loops: its forwards are steps reported (others ran as the sessions
@@ -75,6 +76,16 @@ def test_an_arm_takes_create_app_options_and_reports_its_steps() -> None:
     assert 0.0 <= figures["idle_s"] and figures["forward_s"] + figures["idle_s"] <= figures["elapsed_s"] + 0.25
     with pytest.raises(InvalidInputError, match="one at a time"):
         serve.arm(engine, 1, False, 1, 2, observer=log.append)
+
+
+def test_an_arm_s_peak_rss_is_its_own_not_the_process_s() -> None:
+    """A gigabyte held and let go before the arm is not the arm's peak (Linux: the count starts afresh)."""
+    held = bytearray(1 << 30)
+    held[:: 1 << 12] = bytes(len(held) >> 12)  # every page written: resident
+    before = serve.peak_rss_bytes()
+    del held
+    assert serve.reset_peak_rss()
+    assert serve.peak_rss_bytes() < before - (1 << 29)
 
 
 def test_an_arm_with_a_failed_session_does_not_measure_its_stepping_thread(monkeypatch) -> None:
