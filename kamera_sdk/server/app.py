@@ -520,8 +520,8 @@ def create_app(
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.name
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            body = _then(_sse_chat(worker, start, cid, created, model, include_usage, req), release)
-            return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+            body = _sse_chat(worker, start, cid, created, model, include_usage, req)
+            return _StreamThen(body, release, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             text = (start.first or "") + "".join(await _collect(request, worker.iterate(start.pieces)))
         finally:
@@ -564,13 +564,19 @@ def _close_all(windows: list[ContextWindow]) -> None:
         window.close()
 
 
-async def _then(body: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
-    """``body``, then ``done()`` however it ends (drained, failed, or closed when its client went away)."""
-    try:
-        async for part in body:
-            yield part
-    finally:
-        done()
+class _StreamThen(StreamingResponse):
+    """A streamed response that calls ``done()`` once it has been sent, however that ended: drained, failed,
+    or its client gone before the first byte or during the stream."""
+
+    def __init__(self, body: AsyncIterator[bytes], done: Callable[[], None], **options: Any) -> None:
+        super().__init__(body, **options)
+        self._done = done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._done()
 
 
 def _finish(pieces: TextStream) -> Any:

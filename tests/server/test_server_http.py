@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from starlette.requests import ClientDisconnect
 
 from kamera_engine import Engine, InvalidInputError
 from kamera_sdk import ContextWindow
@@ -352,6 +353,47 @@ def test_a_chat_request_without_a_session_is_counted_while_its_answer_runs(
         assert 0 < before[0] < held and before[1] == 1
         error(c.post("/v1/chat/completions", json=body), 429, "LimitExceededError")  # the session holds some
         assert _held(c, held) == before
+
+
+def test_a_streamed_chat_whose_client_left_before_the_first_byte_is_not_counted(default_engine: Engine) -> None:
+    """The client of a streamed chat request without a session goes before its response starts (an ASGI 2.4
+    server's ``send`` fails): the count its window had goes all the same."""
+    app = make_app(default_engine, api_key=None, max_held_tokens=10_000)
+    body = json.dumps({"stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": "Ada."}] * 2})
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("kamera", 80),
+    }
+    sent: list[str] = []
+
+    async def main() -> int:
+        messages = [{"type": "http.request", "body": body.encode(), "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message["type"])
+            raise OSError("the client is gone")
+
+        with pytest.raises(ClientDisconnect):
+            await app(scope, receive, send)
+        return app.state.kamera.sessions.held.total
+
+    try:
+        assert asyncio.run(main()) == 0 and sent == ["http.response.start"]
+    finally:
+        asyncio.run(app.state.kamera.shutdown())
 
 
 @pytest.mark.parametrize("gives_up_in", ["fork", "state"])
