@@ -336,7 +336,8 @@ class ContextWindow:
     @foreground()
     def image_chunk(self, image: object, *, limits: FetchLimits = DEFAULT_LIMITS) -> Chunk:
         """The chunk ``add_image(image)`` would append, not yet in the window (the vision tower runs here,
-        once per picture): ``len()`` is the tokens it would take, ``admit`` appends it."""
+        once per picture): ``len()`` is the tokens it would take, ``admit`` appends it. A named picture
+        (``ref``) goes through ``add_image``, which records its name."""
         return vision.image_chunk(self, self._state.media, image, limits=limits)  # type: ignore[arg-type]
 
     @foreground()

@@ -501,6 +501,9 @@ def create_app(
                 start = await worker.run_keyed(
                     None, chat_ops.start_chat, engine, None, req, params, limits, claim(lease)
                 )
+            except asyncio.CancelledError:
+                worker.submit(release)  # its job runs on, and is counted until it ends (a barrier job after it)
+                raise
             except BaseException:
                 release()
                 raise
@@ -574,7 +577,8 @@ class _StreamThen(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with aclosing(self.body_iterator):  # type: ignore[type-var]  # closed now, not once collected
+                await super().__call__(scope, receive, send)
         finally:
             self._done()
 

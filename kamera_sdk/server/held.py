@@ -8,7 +8,7 @@ session gives back its count, except the content its family (the windows forked 
 holds: that stays counted until the family's last session goes.
 ``max_sessions`` times ``max_session_tokens`` bounds none of this usefully (256 windows of 32768 tokens),
 so the server can bound the sum instead, refusing the content that would pass it with a 429 before
-anything changes (a ``user``'s chat window may instead forget the messages the request no longer lists,
+anything changes (a ``user``'s chat window may instead forget the messages and pictures the request no longer lists,
 if that makes it fit: ``chat.sync_window``).
 
 A session's count is raised before its window takes new content (``claim``, run in the session's lane,

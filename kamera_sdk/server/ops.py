@@ -110,7 +110,10 @@ def add_chunk(
         cid = win.add(req.token_ids, kind=req.kind)
     else:
         assert req.image_base64 is not None  # the schema admits exactly one kind of content
-        chunk = win.image_chunk(decode_image(req.image_base64, limits))  # the tower runs; the window is unchanged
+        image = decode_image(req.image_base64, limits)
+        check_tokens(win, 1, limits)  # a session at its bound is refused before the vision tower runs
+        claim_new(win, 1, claim)
+        chunk = win.image_chunk(image)  # the tower runs (once per picture); the window is unchanged
         if chunk.id not in win:
             check_tokens(win, len(chunk), limits)
             claim_new(win, new_content(win, chunk.id, len(chunk)), claim)

@@ -3,6 +3,7 @@ batched arm really batches (tiny random model behind the default tokenizer, real
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -78,14 +79,15 @@ def test_an_arm_takes_create_app_options_and_reports_its_steps() -> None:
         serve.arm(engine, 1, False, 1, 2, observer=log.append)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak restarts through Linux's /proc")
 def test_an_arm_s_peak_rss_is_its_own_not_the_process_s() -> None:
-    """A gigabyte held and let go before the arm is not the arm's peak (Linux: the count starts afresh)."""
-    held = bytearray(1 << 30)
+    """256 MiB held and let go before the arm is not the arm's peak (Linux: the count starts afresh)."""
+    held = bytearray(1 << 28)
     held[:: 1 << 12] = bytes(len(held) >> 12)  # every page written: resident
     before = serve.peak_rss_bytes()
     del held
     assert serve.reset_peak_rss()
-    assert serve.peak_rss_bytes() < before - (1 << 29)
+    assert serve.peak_rss_bytes() < before - (1 << 27)
 
 
 def test_an_arm_with_a_failed_session_does_not_measure_its_stepping_thread(monkeypatch) -> None:

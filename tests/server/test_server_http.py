@@ -355,14 +355,18 @@ def test_a_chat_request_without_a_session_is_counted_while_its_answer_runs(
         assert _held(c, held) == before
 
 
-def test_a_streamed_chat_whose_client_left_before_the_first_byte_is_not_counted(default_engine: Engine) -> None:
-    """The client of a streamed chat request without a session goes before its response starts (an ASGI 2.4
-    server's ``send`` fails): the count its window had goes all the same."""
+@pytest.mark.parametrize("client", ["reads_it_all", "gone_at_its_start", "gone_at_once"])
+def test_a_streamed_chat_without_a_session_is_counted_until_its_response_ends(
+    default_engine: Engine, client: str
+) -> None:
+    """A streamed chat request without a session holds its count while its answer streams, and lets it go
+    however the response ends: read to the end, its client gone as the response starts (an ASGI 2.4 server's
+    ``send`` fails), or gone at once (an ASGI 2.3 server reports the disconnect before a byte is sent)."""
     app = make_app(default_engine, api_key=None, max_held_tokens=10_000)
-    body = json.dumps({"stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": "Ada."}] * 2})
+    body = json.dumps({"stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "Ada."}] * 2})
     scope = {
         "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "asgi": {"version": "3.0", "spec_version": "2.3" if client == "gone_at_once" else "2.4"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
@@ -374,25 +378,84 @@ def test_a_streamed_chat_whose_client_left_before_the_first_byte_is_not_counted(
         "client": ("127.0.0.1", 1),
         "server": ("kamera", 80),
     }
-    sent: list[str] = []
+    counted: list[int] = []  # the count as each part of the response is sent
 
     async def main() -> int:
         messages = [{"type": "http.request", "body": body.encode(), "more_body": False}]
 
         async def receive() -> dict[str, Any]:
-            return messages.pop(0) if messages else {"type": "http.disconnect"}
+            if messages:
+                return messages.pop(0)
+            if client != "gone_at_once":
+                await asyncio.Event().wait()  # connected until the response ends
+            return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
-            sent.append(message["type"])
-            raise OSError("the client is gone")
+            counted.append(app.state.kamera.sessions.held.total)
+            if client == "gone_at_its_start":
+                raise OSError("the client is gone")
+            if client == "gone_at_once" and message["type"] == "http.response.start":
+                await asyncio.sleep(0.5)  # the disconnect is seen first
 
-        with pytest.raises(ClientDisconnect):
+        if client == "gone_at_its_start":
+            with pytest.raises(ClientDisconnect):
+                await app(scope, receive, send)
+        else:
             await app(scope, receive, send)
         return app.state.kamera.sessions.held.total
 
     try:
-        assert asyncio.run(main()) == 0 and sent == ["http.response.start"]
+        assert asyncio.run(main()) == 0  # let go of once the response ended
+        assert counted and all(n > 0 for n in counted)  # held while it was sent
+        if client == "reads_it_all":
+            assert len(counted) > 3  # the start, pieces, the end
     finally:
+        asyncio.run(app.state.kamera.shutdown())
+
+
+def test_a_chat_whose_caller_gave_up_stays_counted_until_its_job_ends(
+    default_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller of a chat request without a session is cancelled while its job runs: the job runs on, and
+    what its window claimed stays counted until it ends, then goes."""
+    from kamera_sdk.server import chat as chat_ops
+
+    app = make_app(default_engine, api_key=None, max_held_tokens=10_000)
+    claimed, release = threading.Event(), threading.Event()
+    sync = chat_ops.sync_window
+
+    def slow_sync(*args: Any, **kw: Any) -> None:
+        sync(*args, **kw)
+        claimed.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(chat_ops, "sync_window", slow_sync)
+    counts = app.state.kamera.sessions.held
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "Ada lives in Lisbon."}] * 2}
+
+    async def main() -> tuple[int, int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kamera") as c:
+            request = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+            while not claimed.is_set():
+                await asyncio.sleep(0.01)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            during = counts.total  # the job still runs: its window is counted
+            release.set()
+            (await c.get("/v1/models")).raise_for_status()
+            for _ in range(500):  # the barrier job after it lets the count go
+                if counts.total == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return during, counts.total
+
+    try:
+        during, after = asyncio.run(main())
+        assert during > 0 and after == 0
+    finally:
+        release.set()
         asyncio.run(app.state.kamera.shutdown())
 
 

@@ -78,3 +78,32 @@ def test_chat_pictures_are_counted_before_the_sync_and_a_user_window_lets_them_g
         r = ask(c, 2, user="u")  # the first picture is no longer sent: it is let go
         assert r.status_code == 200, r.text
         assert _held(c) == one
+
+
+def test_a_picture_sent_twice_or_again_after_its_eviction_costs_its_place_only(engine: VisionEngine) -> None:
+    """The same picture twice in one request is one chunk; a picture the window evicted and is sent again is
+    recalled, its content held already: at a bound of exactly what that needs, every request is answered."""
+
+    def ask(c: TestClient, seeds: list[int], **key: Any) -> Any:
+        def picture(seed: int) -> dict[str, Any]:
+            url = f"data:image/png;base64,{_png(seed)}"
+            return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+
+        messages = [*map(picture, seeds), {"role": "user", "content": "What is it?"}]
+        return c.post("/v1/chat/completions", json={**key, "max_tokens": 1, "messages": messages})
+
+    n = _image_tokens(engine, 1)
+    with TestClient(make_app(engine, api_key=None)) as c:
+        sid = c.post("/v1/sessions").json()["id"]
+        assert ask(c, [1], session=sid).status_code == 200
+        one = _held(c)  # a turn's opening and the picture, placed and seen
+        other = c.post("/v1/sessions").json()["id"]
+        assert ask(c, [1, 1], session=other).status_code == 200
+        opening = (one - 2 * n) // 2
+        assert _held(c) == one + 2 * (2 * opening + n)  # two openings (a repeated message), one picture
+    with TestClient(make_app(engine, api_key=None, max_held_tokens=one + n)) as c:
+        sid = c.post("/v1/sessions").json()["id"]
+        for seeds in ([1], [2], [1]):  # the third recalls the first picture: nothing new is seen
+            r = ask(c, seeds, session=sid)
+            assert r.status_code == 200, r.text
+        assert _held(c) == one + n
