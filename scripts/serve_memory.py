@@ -7,7 +7,9 @@ answers up to 48 tokens; 32 and 45 s by default) and, ``at_s`` seconds into it, 
 storage once, grouped by its size and its tensor's shape, the largest groups first, with the process's RSS at that
 moment (oneDNN's packed weight copies have no storage to read and are not counted). Also: RSS after loading, the
 peak RSS, the model's parameter bytes and the scheduler's peak KV (``kv_bytes_peak``). Run it with
-``MALLOC_ARENA_MAX=2`` to see what the C allocator's per-thread arenas add.
+``MALLOC_ARENA_MAX=2`` to see what the C allocator's per-thread arenas add, or with
+``MALLOC_MMAP_THRESHOLD_=1048576`` to see what it keeps of freed buffers of 1 MB and more (an ``at_s`` past the
+run's end skips the census, which costs the run some time).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def main() -> None:
                 "elapsed_s": result["elapsed_s"],
                 "loaded_rss_gb": loaded,
                 "peak_rss_gb": result["peak_rss_bytes"] / 1e9,
+                "tokens_per_s": result["tokens_per_s"],
                 "param_gb": sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e9,
                 "kv_bytes_peak": result["kv_bytes_peak"],
                 "census": seen or None,  # None: the run ended before ``at_s``

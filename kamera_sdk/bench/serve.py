@@ -204,6 +204,15 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def rss_bytes() -> int | None:
+    """The process's RSS now (Linux: ``/proc/self/statm``); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def peak_rss_bytes() -> int:
     """The process's peak RSS since it started, or since ``reset_peak_rss``."""
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -391,6 +400,7 @@ def arm(
     batched server's steps while the sessions run (``Scheduler.observe``)."""
     print(f"serve: {sessions} sessions, {arm_name(batch)}", file=sys.stderr)
     own_peak = reset_peak_rss()  # else an arm would report the peak of the arms before it
+    rss_start = rss_bytes()  # what the process holds as the arm starts (earlier arms' heap included)
     with _served(engine, batch, app_options or {}) as (url, app):
         sched = app.state.kamera.scheduler
         if observer is not None and sched is None:
@@ -404,6 +414,7 @@ def arm(
             figures = _load(url, sessions, rounds, max_new_tokens, on_start=mark("start"), on_end=mark("end"))
         figures["peak_rss_bytes"] = peak_rss_bytes()
         figures["peak_rss_of"] = "arm" if own_peak else "process"  # whose peak: this arm's, or the process's so far
+        figures["rss_start_bytes"] = rss_start
         figures["load_avg_1m"] = os.getloadavg()[0]
         if sched is not None:
             s = sched.stats()
