@@ -215,8 +215,12 @@ def rss_bytes() -> int | None:
 
 def peak_rss_bytes() -> int:
     """The process's peak RSS since it started, or since ``reset_peak_rss``."""
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    try:  # Linux: the recorded peak or the RSS now, whichever is higher (the kernel records it lazily)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def repeated_decode_step(
@@ -412,7 +416,7 @@ def arm(
 
         with sched.observe(observer) if observer is not None else nullcontext():
             figures = _load(url, sessions, rounds, max_new_tokens, on_start=mark("start"), on_end=mark("end"))
-        figures["peak_rss_bytes"] = peak_rss_bytes()
+        figures["peak_rss_bytes"] = max(peak_rss_bytes(), rss_start or 0)  # never below an RSS seen in the arm
         figures["peak_rss_of"] = "arm" if own_peak else "process"  # whose peak: this arm's, or the process's so far
         figures["rss_start_bytes"] = rss_start
         figures["load_avg_1m"] = os.getloadavg()[0]
