@@ -421,14 +421,15 @@ class ContextWindow:
         been recalled with (unless another branch holds it and may recall it)."""
         idx = self._index(chunk_id)
         t0 = time.perf_counter()
-        if not forget or self._table.held(chunk_id, but=self._state):
+        shared = self._table.held(chunk_id, but=self._state)  # then a branch may recall it: its patch is formed
+        if not forget or shared:
             self._leave([self._state.slots[idx]])
         self._state.slots.pop(idx)
         self._unpin(chunk_id)
         self._state.graph.drop_conditioning(chunk_id)
         self._state.evicted.append(chunk_id)
         if forget:  # before the step's bookkeeping, which would queue or form work for it
-            self._forget(chunk_id)
+            self._forget(chunk_id, shared)
         self._changed("evict", t0)
 
     @foreground()
@@ -466,11 +467,11 @@ class ContextWindow:
         window's KV and answers are unchanged; adding the same content again later prepares it anew (from
         the store, or one forward)."""
         self._check_evicted(chunk_id, "is in the window: evict it first (or evict(..., forget=True))")
-        self._forget(chunk_id)
+        self._forget(chunk_id, self._table.held(chunk_id, but=self._state))
 
-    def _forget(self, chunk_id: ChunkId) -> None:
+    def _forget(self, chunk_id: ChunkId, shared: bool) -> None:
+        """``forget`` once checked; ``shared``: whether another live branch holds ``chunk_id``."""
         t0 = time.perf_counter()
-        shared = self._table.held(chunk_id, but=self._state)
         if shared:
             self._form_leaving(chunk_id)  # branches share its patches: the one it left with is formed first
         else:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import gc
 import json
-import os
 import sys
 import threading
 import time
@@ -29,12 +28,13 @@ import kamera_engine  # noqa: F401  (before torch: the engine sets OpenMP's wait
 import torch
 
 from kamera_engine import Engine
-from kamera_sdk.bench.serve import arm
+from kamera_sdk.bench.serve import arm, rss_bytes
 
 
 def _rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    rss = rss_bytes()
+    assert rss is not None, "reads /proc/self/statm (Linux)"
+    return rss / 1e9
 
 
 def census(top: int | None = 20) -> dict[str, Any]:

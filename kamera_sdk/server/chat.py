@@ -30,16 +30,7 @@ from ..chunks import Chunk
 from ..tools import ToolCall, ToolSpec, answer_prompt, closed_schema, json_grammar, parse_tool_call, tool_grammar
 from ..window import ContextWindow
 from .errors import LimitExceededError, PayloadTooLargeError
-from .ops import (
-    Claim,
-    Limits,
-    check_tokens,
-    claim_new,
-    decode_image,
-    first_piece,
-    holds,
-    sampling_params,
-)
+from .ops import Claim, Limits, check_tokens, claim_new, decode_image, first_piece, holds, sampling_params
 from .schemas import ChatCompletionMessage, ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallOut
 
 #: Default answer length when a request names none (OpenAI's default is "until the context ends").
