@@ -9,7 +9,10 @@ token ids like any other:
   for a forward needs no side channel, and the forward swaps each virtual id for its feature row
   (text ids go through the embedding table as usual).
 * **Vision embedding cache.** The rows come from :class:`~.cache.VisionCache`, keyed by model
-  fingerprint and image digest: the vision tower runs once per distinct image, at registration.
+  fingerprint and image digest: the vision tower runs once per distinct image, at registration. Its memory
+  tier is bounded (``vision_memory_bytes``) and what it pushes out goes to disk, so the processed pixels are
+  dropped once the tower has run: an engine holds a bounded amount per image it has seen (the chunk's
+  token ids and deltas), however many screenshots an agent sends.
 * **Positions.** Every token advances the window's linear position by one. A vision token at linear
   position ``p`` gets, on M-RoPE families, the 3-axis position ``p + delta``, where ``delta`` is its
   native chunk-relative (t, h, w) offset minus its index in the chunk (the model's own ``get_rope_index``
@@ -48,7 +51,7 @@ from ..loading import LoadSettings, ModelSource, load_engine, register_engine_ki
 from ..rope import RopeSpec
 from ..runner import ForwardResult, call_with_cache, past_cache
 from .base import FAMILIES, Features, MediaInput, VisionFamily, family_for
-from .cache import VisionCache, tensors_device
+from .cache import DEFAULT_MEMORY_BYTES, VisionCache, tensors_device
 from .mrope import MRopeSpec
 
 
@@ -63,7 +66,7 @@ class MediaEntry:
     token_ids: list[int]  # the chunk's tokens, placeholders replaced by virtual ids
     cache_key: str
     deltas: torch.Tensor | None  # (rows, 3) long: 3-axis position minus linear position, per row
-    media: MediaInput  # kept so an entry dropped from every cache tier can be re-encoded
+    grid: tuple[int, int, int] | None  # the (t, h, w) feature grid on families with one
 
 
 class VisionEngine(Engine):
@@ -80,8 +83,11 @@ class VisionEngine(Engine):
         anchor_ids: Sequence[int] | None = None,
         attention: str | None = None,
         cache_dir: str | Path | None = None,
+        vision_memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
         linear_backend: str | None = None,
     ) -> None:
+        """``cache_dir``: where tower outputs are also written (a later process reads them); ``vision_memory_bytes``:
+        the bound of those kept in memory (the rest on disk; None: no bound)."""
         self.family: VisionFamily = family_for(model, processor)
         self.processor = processor
         self._entries: list[MediaEntry] = []
@@ -100,7 +106,7 @@ class VisionEngine(Engine):
         )
         axes = self.family.rope_axes(self.operator_rope.rotary_dim // 2)
         self._mrope: MRopeSpec | None = None if axes is None else MRopeSpec.of(self.operator_rope, axes)
-        self.vision_cache = VisionCache(self.fingerprint, cache_dir)
+        self.vision_cache = VisionCache(self.fingerprint, cache_dir, max_memory_bytes=vision_memory_bytes)
 
     # --- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -112,15 +118,31 @@ class VisionEngine(Engine):
         dtype: str | torch.dtype | None = None,
         attn: str | None = None,
         cache_dir: str | Path | None = None,
+        vision_memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
         linear: str | None = None,
     ) -> VisionEngine:
         """Load a VLM and its processor by Hugging Face id or local path (the real ``from_pretrained``), as
-        ``Engine.load`` does; ``cache_dir``: where vision-tower outputs are kept."""
-        return load_engine(cls, model, device=device, dtype=dtype, attn=attn, linear=linear, cache_dir=cache_dir)
+        ``Engine.load`` does; ``cache_dir`` and ``vision_memory_bytes``: where and how much of the vision-tower
+        outputs are kept (``__init__``)."""
+        return load_engine(
+            cls,
+            model,
+            device=device,
+            dtype=dtype,
+            attn=attn,
+            linear=linear,
+            cache_dir=cache_dir,
+            vision_memory_bytes=vision_memory_bytes,
+        )
 
     @classmethod
     def from_source(
-        cls, source: ModelSource, settings: LoadSettings, *, cache_dir: str | Path | None = None
+        cls,
+        source: ModelSource,
+        settings: LoadSettings,
+        *,
+        cache_dir: str | Path | None = None,
+        vision_memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
     ) -> VisionEngine:
         """Build from a located VLM (the loader's last step): its processor and image-text-to-text weights."""
         from transformers import AutoModelForImageTextToText
@@ -146,6 +168,7 @@ class VisionEngine(Engine):
             name=source.name,
             attention=settings.attention,
             cache_dir=cache_dir,
+            vision_memory_bytes=vision_memory_bytes,
             linear_backend=settings.linear,
         )
 
@@ -163,16 +186,18 @@ class VisionEngine(Engine):
 
     def _register(self, kind: str, digest: str, make: Any) -> MediaEntry:
         known = self._by_digest.get((kind, digest))
-        if known is not None:
+        if known is not None and known.cache_key in self.vision_cache:
             return known
         with self._media_lock:
             return self._register_locked(kind, digest, make)
 
     def _register_locked(self, kind: str, digest: str, make: Any) -> MediaEntry:
         """``_register`` under the media lock: the range after every registered entry's becomes this one's,
-        and the entry is published (``_entries`` before ``_bases``, which ``_lookup`` reads first) at once."""
+        and the entry is published (``_entries`` before ``_bases``, which ``_lookup`` reads first) at once. A
+        known entry whose rows left the cache (a file removed from its directory) has them made again, under
+        its own ids."""
         known = self._by_digest.get((kind, digest))
-        if known is not None:  # registered by another thread while this one waited
+        if known is not None and known.cache_key in self.vision_cache:  # registered while this thread waited
             return known
         media: MediaInput = make()
         key = self.vision_cache.key(digest, f"{self.family.name}:{kind}")
@@ -182,6 +207,8 @@ class VisionEngine(Engine):
             raise InvalidInputError(
                 f"{self.name}: the vision tower gave {feats.embeds.shape[0]} rows for {rows} placeholder tokens"
             )
+        if known is not None:
+            return known
         idx = torch.nonzero(media.placeholder).flatten()
         base = self.vocab_size + sum(e.rows for e in self._entries)
         ids = list(media.token_ids)
@@ -193,13 +220,14 @@ class VisionEngine(Engine):
             deltas = (offsets[idx] - idx[:, None]).to(torch.long)  # (rows, 3)
             if int(offsets.max()) >= len(ids) + 1 and kind == "image":
                 pass  # positions may overlap later chunks' positions; exactness is unaffected
-        entry = MediaEntry(digest, kind, base, rows, ids, key, deltas, media)
+        entry = MediaEntry(digest, kind, base, rows, ids, key, deltas, media.grid)
         self._entries.append(entry)
         self._bases = torch.cat([self._bases, torch.tensor([base])])
         self._by_digest[(kind, digest)] = entry
         return entry
 
     def _features(self, key: str, media: MediaInput) -> Features:
+        """The tower's rows for ``media`` (from the cache, or a counted tower run put there)."""
         feats = self.vision_cache.get(key)
         if feats is None:
             with torch.inference_mode():
@@ -226,7 +254,14 @@ class VisionEngine(Engine):
             k = virt[sel] - entry.base
             if (k >= entry.rows).any():
                 raise InvalidInputError(f"virtual token ids beyond the rows of {entry.kind} {entry.digest[:8]}")
-            feats = tensors_device(self._features(entry.cache_key, entry.media), torch.device("cpu"), self.dtype)
+            held = self.vision_cache.get(entry.cache_key)
+            if held is None:
+                where = self.vision_cache.directory or "its own directory"
+                raise InvalidInputError(
+                    f"the vision rows of {entry.kind} {entry.digest[:8]} are gone from the cache (a file removed "
+                    f"from {where}?): add the {entry.kind} again"
+                )
+            feats = tensors_device(held, torch.device("cpu"), self.dtype)
             rows[sel] = feats.embeds[k]
             if deltas is not None and entry.deltas is not None:
                 deltas[sel] = entry.deltas[k]

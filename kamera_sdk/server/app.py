@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kamera_engine import Engine, InvalidInputError, KameraError, TextStream
 from kamera_engine.scheduler import Scheduler, SchedulerStats
+from kamera_engine.vision import VisionEngine
 
 from ..stats import WindowStats
 from ..store import default_store_path, open_store
@@ -329,7 +330,11 @@ def create_app(
         """Open sessions and the tokens they hold, against the server's limits."""
         held = sessions.held
         return ServerStats(
-            sessions=len(sessions), max_sessions=limits.max_sessions, held_tokens=held.total, max_held_tokens=held.limit
+            sessions=len(sessions),
+            max_sessions=limits.max_sessions,
+            held_tokens=held.total,
+            max_held_tokens=held.limit,
+            vision_cache=engine.vision_cache.stats.model_copy() if isinstance(engine, VisionEngine) else None,
         )
 
     @app.get("/v1/models", response_model=ModelList)

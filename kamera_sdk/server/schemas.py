@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kamera_engine.vision import VisionCacheStats
+
 #: A chunk id as the SDK makes them (a content hash); the length bound only keeps junk out early.
 ChunkIdStr = Annotated[str, Field(min_length=1, max_length=128)]
 Prompt = str | list[int]
@@ -160,6 +162,9 @@ class ServerStats(BaseModel):
     max_sessions: int
     held_tokens: int = Field(description="tokens all sessions hold (or claimed) together: placed, and content seen")
     max_held_tokens: int | None = Field(description="the bound of held_tokens (null: no limit)")
+    vision_cache: VisionCacheStats | None = Field(
+        None, description="on a vision-language model: the tower's rows in memory against their bound, on disk, runs"
+    )
 
 
 class Health(BaseModel):

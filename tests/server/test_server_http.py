@@ -156,7 +156,7 @@ def _chunk(first: int) -> dict[str, Any]:
 
 def _held(c: TestClient, limit: int | None) -> tuple[int, int]:
     got = c.get("/v1/server/stats").json()
-    assert (got["max_held_tokens"], got["max_sessions"]) == (limit, 256)
+    assert (got["max_held_tokens"], got["max_sessions"], got["vision_cache"]) == (limit, 256, None)  # a text model
     return int(got["held_tokens"]), int(got["sessions"])
 
 

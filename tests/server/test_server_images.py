@@ -52,6 +52,8 @@ def test_an_image_chunk_past_the_bound_is_refused_before_it_is_added(engine: Vis
         assert state["chunks"] == [first.json()["chunk"]] and state["tokens"] == n and _held(c) == 2 * n
         again = c.post(f"/v1/sessions/{sid}/chunks", json={"image_base64": _png(1)})  # held already: free
         assert again.json()["chunk"] == first.json()["chunk"] and _held(c) == 2 * n
+        vision = c.get("/v1/server/stats").json()["vision_cache"]
+        assert vision["tower_runs"] == engine.tower_runs >= 2 and vision["max_memory_bytes"] == 1 << 30
 
 
 def test_chat_pictures_are_counted_before_the_sync_and_a_user_window_lets_them_go(engine: VisionEngine) -> None:
