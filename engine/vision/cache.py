@@ -65,10 +65,6 @@ class VisionCache:
         self.stats = VisionCacheStats(max_memory_bytes=max_memory_bytes)
         self._lock = threading.Lock()  # windows of one engine use it concurrently: counts and entries stay whole
 
-    @property
-    def max_memory_bytes(self) -> int | None:
-        return self.stats.max_memory_bytes
-
     def key(self, digest: str, layout: str) -> str:
         return hashlib.blake2b(f"{self.fingerprint}|{digest}|{layout}".encode(), digest_size=16).hexdigest()
 
@@ -123,6 +119,7 @@ class VisionCache:
         with self._lock:
             while self._mem:
                 self._spill_oldest()
+            self.stats.entries = 0
 
     # --- under the lock ---------------------------------------------------------------------------
     def _hold(self, key: str, feats: Features) -> None:
@@ -146,7 +143,6 @@ class VisionCache:
         self.stats.spilled += 1
         del self._mem[key]
         self.stats.bytes -= feats.nbytes
-        self.stats.entries = len(self._mem)
 
     def _spill_path(self, key: str) -> Path:
         if self.directory is None and self._own is None:

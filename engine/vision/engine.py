@@ -218,8 +218,6 @@ class VisionEngine(Engine):
         offsets = self.family.chunk_offsets(media)
         if offsets is not None:
             deltas = (offsets[idx] - idx[:, None]).to(torch.long)  # (rows, 3)
-            if int(offsets.max()) >= len(ids) + 1 and kind == "image":
-                pass  # positions may overlap later chunks' positions; exactness is unaffected
         entry = MediaEntry(digest, kind, base, rows, ids, key, deltas, media.grid)
         self._entries.append(entry)
         self._bases = torch.cat([self._bases, torch.tensor([base])])
