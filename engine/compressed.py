@@ -21,7 +21,7 @@ import torch
 from .adapters.base import capture_queries
 from .attention_stats import attention_probs_sum
 from .decode import SamplingParams, StepHook, cached_tokens, decode_tokens, step_logits
-from .errors import InvalidInputError
+from .errors import InvalidInputError, positive_int
 from .kv import KV, Past, drop_tokens, past_parts, to_cache
 
 if TYPE_CHECKING:
@@ -76,8 +76,7 @@ def prefill_with_stats(
     start = sum(len(p) for p in parts)
     if len(window_ids) != start:
         raise InvalidInputError(f"need {start} token ids for the window, got {len(window_ids)}")
-    if isinstance(observation, bool) or not isinstance(observation, int) or observation < 1:
-        raise InvalidInputError(f"observation must be an int >= 1, got {observation!r}")
+    observation = positive_int("observation", observation)
     with capture_queries(engine.model) as prompt_q:
         res = engine.forward(prompt_ids, parts, start, logits="last")
     full = KV.cat([*(p.to("cpu") for p in parts), res.kv.to("cpu")])  # scored and compressed in host memory

@@ -8,7 +8,6 @@ nothing about chunks, windows or policies (that is ``kamera_sdk``).
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,7 +26,7 @@ from .adapters import ModelAdapter, adapter_for
 from .adapters.capture import PreRopeKeys, active_recorders, packable, recording
 from .constrained import TokenConstraint
 from .decode import SamplingParams, TextStream, decode_tokens
-from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError
+from .errors import ContextLengthError, InvalidInputError, ModelLoadError, UnsupportedModelError, positive_int
 from .fingerprint import engine_fingerprint
 from .kv import KV, Past
 from .loading import LoadSettings, ModelSource, load_engine
@@ -434,15 +433,7 @@ class Engine:
 
     @context_length.setter
     def context_length(self, value: int | None) -> None:
-        if value is not None:
-            try:
-                limit = None if isinstance(value, bool) else operator.index(value)
-            except TypeError:
-                limit = None
-            if limit is None or limit < 1:
-                raise InvalidInputError(f"context_length must be an int >= 1 or None (no limit), got {value!r}")
-            value = limit
-        self._context_length = value
+        self._context_length = positive_int("context_length", value, optional=True)  # None: no limit
 
     def check_length(self, positions: int, *, new_tokens: int = 0, answer_field: str = "max_new_tokens") -> None:
         """Refuse ``positions`` tokens of context plus ``new_tokens`` to decode when together they exceed

@@ -26,9 +26,15 @@ The tree (every class of this module; a test checks it against the classes)::
 ``InvalidInputError`` is also a ``ValueError``. Lower-level errors (torch, transformers, sqlite, redis,
 httpx) are converted at the boundary with ``raise ... from exc`` so callers only need to catch
 ``KameraError``. The SDK re-exports all of them.
+
+``positive_int`` checks the argument every layer takes in some form (a count, a size, a bound: an int >= 1,
+optionally None), so that each refuses it with the same words.
 """
 
 from __future__ import annotations
+
+import operator
+from typing import Literal, overload
 
 
 class KameraError(Exception):
@@ -153,3 +159,21 @@ class CapacityError(KameraError):
 
 
 __all__ += ["CapacityError"]
+
+
+@overload
+def positive_int(name: str, value: object, *, optional: Literal[False] = False) -> int: ...
+@overload
+def positive_int(name: str, value: object, *, optional: bool) -> int | None: ...
+def positive_int(name: str, value: object, *, optional: bool = False) -> int | None:
+    """``value`` as an int when it is a whole number of at least 1 (an int or anything ``operator.index`` takes;
+    never a bool), or None when it is None and ``optional``; else InvalidInputError naming ``name``."""
+    if value is None and optional:
+        return None
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise InvalidInputError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
+    return n

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, positive_int
 
 T = TypeVar("T")
 
@@ -164,8 +164,7 @@ def set_threads(n: int) -> ThreadPlan:
     global _plan
     import torch
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidInputError(f"threads must be a positive int, got {n!r}")
+    n = positive_int("threads", n)
     torch.set_num_threads(n)
     _plan = replace(_plan, threads=n, source="set_threads", reason=f"set_threads({n})")
     return _plan

@@ -37,6 +37,7 @@ from kamera_engine.errors import (
     MediaTypeError,
     RedirectError,
     UnsupportedSchemeError,
+    positive_int,
 )
 
 ImageInput = Any  # PIL.Image.Image | str | Path | bytes | bytearray
@@ -229,8 +230,7 @@ class Video:
 
     def segments(self, frames_per_segment: int) -> list[VideoSegment]:
         """Split into segments of ``frames_per_segment`` frames (the last one may be shorter)."""
-        if not isinstance(frames_per_segment, int) or frames_per_segment < 1:
-            raise InvalidInputError(f"frames_per_segment must be a positive int, got {frames_per_segment!r}")
+        frames_per_segment = positive_int("frames_per_segment", frames_per_segment)
         out = []
         for i in range(0, len(self.frames), frames_per_segment):
             ts = self.timestamps[i : i + frames_per_segment]

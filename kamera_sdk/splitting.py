@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 
 from kamera_engine import InvalidInputError
+from kamera_engine.errors import positive_int
 
 #: boundaries from coarse to fine; each pattern's matches end with the separator they keep
 _LEVELS = (
@@ -25,8 +26,7 @@ _LEVELS = (
 def split_text(text: str, count: Callable[[str], int], max_tokens: int) -> list[str]:
     """``text`` as pieces of at most ``max_tokens`` tokens each (``count`` counts a string's tokens),
     split at the coarsest boundaries that fit and packed greedily; ``"".join(pieces) == text``."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidInputError(f"max_chunk_tokens must be an int >= 1, got {max_tokens!r}")
+    max_tokens = positive_int("max_chunk_tokens", max_tokens)
     if not isinstance(text, str) or not text.strip():
         raise InvalidInputError("add_document needs a non-empty string")
     return [p for p in _split(text, count, max_tokens, 0) if p]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field
 
-from ..errors import InvalidInputError
+from ..errors import positive_int
 from .base import Features
 
 #: The memory tier's default bound: about 170 screenshots of 1000 feature rows at hidden size 1536 in fp32.
@@ -52,10 +52,7 @@ class VisionCache:
         *,
         max_memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
     ) -> None:
-        if max_memory_bytes is not None and (
-            isinstance(max_memory_bytes, bool) or not isinstance(max_memory_bytes, int) or max_memory_bytes < 1
-        ):
-            raise InvalidInputError(f"max_memory_bytes must be an int >= 1 or None, got {max_memory_bytes!r}")
+        max_memory_bytes = positive_int("max_memory_bytes", max_memory_bytes, optional=True)
         self.fingerprint = fingerprint
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:

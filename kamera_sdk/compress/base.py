@@ -17,6 +17,7 @@ import torch
 
 from kamera_engine import KV, InvalidInputError
 from kamera_engine.compressed import AttentionStatsSpec, StepHook
+from kamera_engine.errors import positive_int
 
 
 @dataclass(slots=True)
@@ -52,8 +53,7 @@ class CompressionPolicy:
         if isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Real) or not 0 < self.budget <= 1:
             raise InvalidInputError(f"kv_budget must be a number in (0, 1], got {self.budget!r}")
         self.budget = float(self.budget)
-        if isinstance(self.observation, bool) or not isinstance(self.observation, int) or self.observation < 1:
-            raise InvalidInputError(f"observation must be an int >= 1, got {self.observation!r}")
+        self.observation = positive_int("observation", self.observation)
 
     def kept(self, n_tokens: int) -> int:
         """Tokens kept out of ``n_tokens`` under the budget."""

@@ -25,7 +25,7 @@ import itertools
 import threading
 from collections.abc import Hashable
 
-from kamera_engine import InvalidInputError
+from kamera_engine.errors import positive_int
 
 from .errors import LimitExceededError
 
@@ -34,9 +34,7 @@ class HeldTokens:
     """Per-session token counts and their bound; thread-safe. ``limit=None``: counted, never refused."""
 
     def __init__(self, limit: int | None = None) -> None:
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise InvalidInputError(f"max_held_tokens must be an int >= 1 or None, got {limit!r}")
-        self.limit = limit
+        self.limit = positive_int("max_held_tokens", limit, optional=True)
         self._lock = threading.Lock()
         self._held: dict[Hashable, int] = {}
         self._ticket: dict[Hashable, int] = {}  # which opening of a key a job belongs to

@@ -19,7 +19,7 @@ from types import TracebackType
 import torch
 from pydantic import BaseModel, Field
 
-from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError
+from kamera_engine.errors import ChecksumError, FingerprintMismatchError, InvalidInputError, StoreError, positive_int
 
 from ._auth import UnauthenticatedEntryError
 from ._backend import Backend
@@ -86,8 +86,7 @@ class ChunkStore:
                 f"backend must be None, a DiskBackend or a RedisBackend, got {type(backend).__name__}"
             )
         for label, n in (("load_workers", load_workers), ("write_workers", write_workers)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise InvalidInputError(f"{label} must be an int >= 1, got {n!r}")
+            positive_int(label, n)
         self.storage_dtype = _storage_dtype(storage_dtype)
         self.memory = MemoryTier(memory_bytes, eviction)
         self.backend = backend

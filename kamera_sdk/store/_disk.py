@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kamera_engine.errors import ChecksumError, InvalidInputError, KameraError, StoreError
+from kamera_engine.errors import ChecksumError, InvalidInputError, KameraError, StoreError, positive_int
 
 from . import _rebuild
 from ._auth import EntryAuth
@@ -107,8 +107,7 @@ class DiskBackend:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise InvalidInputError(f"store path must be a non-empty str or path, got {path!r}")
         for label, value in (("max_bytes", max_bytes), ("max_entry_bytes", max_entry_bytes)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise InvalidInputError(f"{label} must be a positive int, got {value!r}")
+            positive_int(label, value, optional=True)
         self.root = Path(path).expanduser().absolute()
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_entry_bytes

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from kamera_engine.errors import ChecksumError, InvalidInputError, StoreError
+from kamera_engine.errors import ChecksumError, InvalidInputError, StoreError, positive_int
 
 from ._auth import EntryAuth
 from ._entry import EntryKey, EntryKind, StoreEntry, decode, header_summary, read_header
@@ -193,8 +193,7 @@ class RedisBackend:
         if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
             raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
         for label, value in (("max_bytes", max_bytes), ("max_entry_bytes", max_entry_bytes)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise InvalidInputError(f"{label} must be a positive int, got {value!r}")
+            positive_int(label, value, optional=True)
         try:
             import redis
         except ImportError as exc:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import inspect
 import re
 
+import numpy as np
+import pytest
+
 from kamera_engine import errors
 
 _NODE = re.compile(r"^(?P<indent>(?:[│ ] {3})*)(?:[├└]── )?(?P<name>[A-Z]\w*)\b")
@@ -41,3 +44,14 @@ def test_the_docstring_tree_is_the_class_tree() -> None:
         ours = [b.__name__ for b in cls.__bases__ if b.__module__ == errors.__name__]
         assert drawn[name] == (ours[0] if ours else None), f"{name} is drawn under {drawn[name]}, subclasses {ours}"
     assert set(errors.__all__) == set(classes)
+
+
+def test_positive_int_takes_whole_numbers_of_at_least_one_and_names_the_argument() -> None:
+    assert errors.positive_int("n", 3) == 3
+    assert errors.positive_int("n", np.int64(7)) == 7 and type(errors.positive_int("n", np.int64(7))) is int
+    assert errors.positive_int("limit", None, optional=True) is None
+    for bad in (0, -2, True, 2.0, "3", None):
+        with pytest.raises(errors.InvalidInputError, match=rf"^n must be an int >= 1, got {re.escape(repr(bad))}$"):
+            errors.positive_int("n", bad)
+    with pytest.raises(errors.InvalidInputError, match=r"^limit must be an int >= 1 or None, got False$"):
+        errors.positive_int("limit", False, optional=True)
