@@ -8,9 +8,11 @@ from typing import Any
 from .cli_args import (
     add_batching_flags,
     add_limit_flags,
+    add_vision_flags,
     batching_flags_given,
     batching_options,
     batching_refused,
+    engine_loader,
     limit_options,
     port,
 )
@@ -20,10 +22,8 @@ from .store_cli import add_store_command
 
 
 def _engine(args: argparse.Namespace):
-    from kamera_engine import Engine
-
     with err.status(f"loading {args.model or 'the embedded default model'}"):
-        return Engine.load(args.model, device=args.device, dtype=args.dtype)
+        return engine_loader(args)()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", default=None, help="store path or redis:// URL shared by all sessions")
     add_batching_flags(serve)
     add_limit_flags(serve)
+    add_vision_flags(serve)
     serve.set_defaults(func=cmd_serve)
     add_store_command(sub)
     add_fleet_command(sub)

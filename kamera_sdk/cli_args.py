@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from kamera_engine.errors import InvalidInputError
+from kamera_engine.errors import InvalidInputError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from kamera_engine import Engine
 
 
 def whole(value: str) -> int:
@@ -139,3 +144,55 @@ def batching_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"batch": args.batch}
     options |= {key: getattr(args, name) for name, key in _BATCHING.items() if getattr(args, name) is not None}
     return options
+
+
+#: the vision flags -> ``VisionEngine.load``'s keyword for each
+_VISION = {"vision_memory": "vision_memory_bytes", "vision_cache": "cache_dir"}
+
+
+def add_vision_flags(parser: argparse.ArgumentParser) -> None:
+    """``--vision-memory`` and ``--vision-cache``: where a vision-language model keeps its tower outputs (read
+    them back with ``vision_options``)."""
+    parser.add_argument(
+        "--vision-memory",
+        type=nonzero_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="vision-language models: tower outputs kept in memory (e.g. 512MiB); older ones go to disk and are "
+        "read back when a forward needs them (default: 1GiB)",
+    )
+    parser.add_argument(
+        "--vision-cache",
+        default=None,
+        metavar="DIR",
+        help="vision-language models: also write tower outputs here, for a later process to read (default: a "
+        "temporary directory of the server's own, removed when it stops)",
+    )
+
+
+def vision_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``VisionEngine.load``'s keywords given on the command line (none for a command without the flags)."""
+    return {key: getattr(args, name) for name, key in _VISION.items() if getattr(args, name, None) is not None}
+
+
+def engine_loader(args: argparse.Namespace) -> Callable[[], Engine]:
+    """A picklable call that loads ``--model`` on ``--device`` in ``--dtype`` (a Ray replica runs it too); with
+    a vision flag, as a vision-language engine so configured."""
+    return partial(load_model, args.model, args.device, args.dtype, vision_options(args))
+
+
+def load_model(model: str | None, device: str | None, dtype: str | None, vision: dict[str, Any]) -> Engine:
+    """``Engine.load`` of ``model``, or ``VisionEngine.load`` with ``vision``'s keywords when there are any: a
+    model that is not vision-language is then refused (InvalidInputError naming the flags) before its weights
+    are read."""
+    from kamera_engine import Engine
+    from kamera_engine.vision import VisionEngine
+
+    if not vision:
+        return Engine.load(model, device=device, dtype=dtype)
+    try:
+        return VisionEngine.load(model, device=device, dtype=dtype, **vision)  # type: ignore[arg-type]
+    except UnsupportedModelError as exc:
+        flags = ", ".join("--" + name.replace("_", "-") for name, key in _VISION.items() if key in vision)
+        verb = "configures" if len(vision) == 1 else "configure"
+        raise InvalidInputError(f"{flags} {verb} a vision-language model's tower outputs: {exc}") from exc

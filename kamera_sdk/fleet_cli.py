@@ -6,12 +6,22 @@ import argparse
 from importlib import import_module
 from typing import Any
 
-from .cli_args import add_batching_flags, add_limit_flags, batching_options, limit_options, port, positive
+from .cli_args import (
+    add_batching_flags,
+    add_limit_flags,
+    add_vision_flags,
+    batching_options,
+    engine_loader,
+    limit_options,
+    port,
+    positive,
+)
 
 
 def _up(args: argparse.Namespace) -> int:
     # each replica's create_app options; a contradiction is refused before Ray starts
     args.app_options = batching_options(args) | limit_options(args)
+    args.load_engine = engine_loader(args)  # each replica loads its engine with this
     try:
         cli = import_module("kamera_fleet.cli")
     except ImportError as exc:
@@ -41,4 +51,5 @@ def add_fleet_command(sub: Any) -> None:
     up.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     add_batching_flags(up)  # each replica's server, as kamera serve's
     add_limit_flags(up)
+    add_vision_flags(up)
     up.set_defaults(func=_up)

@@ -6,9 +6,8 @@ import argparse
 import os
 import signal
 import time
-from functools import partial
 
-from kamera_sdk import Engine, KameraError
+from kamera_sdk import KameraError
 
 #: the Serve application ``kamera fleet up`` deploys
 APP = "kamera"
@@ -28,7 +27,7 @@ def start(args: argparse.Namespace) -> str:
     serve.start(http_options={"host": args.host, "port": args.port})
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     config = FleetConfig(
-        partial(Engine.load, args.model, device=args.device, dtype=args.dtype),
+        args.load_engine,  # the model, device and dtype (and vision flags) of kamera fleet up
         args.store,
         replicas=None if autoscale else args.replicas,
         min_replicas=args.min_replicas,

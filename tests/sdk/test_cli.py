@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -165,6 +166,43 @@ def test_serve_takes_the_held_tokens_limit_with_or_without_batching(monkeypatch,
     assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
 
 
+def test_serve_takes_the_vision_flags_and_refuses_them_for_a_text_model(monkeypatch, capsys, tmp_path) -> None:
+    import transformers
+
+    import kamera_sdk.server.cli as server_cli
+    from kamera_engine.vision import VisionEngine
+    from kamera_engine.vision.tiny import build_tiny_vlm
+
+    served: list[object] = []
+    monkeypatch.setattr(server_cli, "serve", lambda engine, **kw: served.append(engine) or 0)
+    model = str(build_tiny_vlm("qwen2_vl", tmp_path / "vlm"))
+    rows = tmp_path / "rows"
+    line = ["serve", "--model", model, "--device", "cpu", "--vision-memory", "1MiB", "--vision-cache", str(rows)]
+    assert main(line) == 0
+    (engine,) = served
+    assert isinstance(engine, VisionEngine)
+    assert (engine.vision_cache.stats.max_memory_bytes, engine.vision_cache.directory) == (1 << 20, rows)
+    assert main(["serve", "--model", model, "--device", "cpu"]) == 0  # the defaults: 1 GiB, no directory
+    assert (served[-1].vision_cache.stats.max_memory_bytes, served[-1].vision_cache.directory) == (1 << 30, None)
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a refused model's weights must not load")
+
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained", no_weights)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    assert main(["serve", "--vision-memory", "1MiB"]) == 2  # the embedded default model is a text model
+    said = " ".join(capsys.readouterr().err.split())
+    assert "--vision-memory configures a vision-language model's tower outputs" in said
+    assert "'llama' has no Kamera vision family" in said
+    assert main(["serve", "--vision-cache", str(rows), "--vision-memory", "2G"]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "--vision-memory, --vision-cache configure a vision-language model's" in said
+    assert len(served) == 2
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--vision-memory", "0"])
+    assert exc.value.code == 2 and "at least 1 byte" in capsys.readouterr().err
+
+
 def test_fleet_up_takes_the_batching_flags_and_refuses_a_contradiction_before_ray(monkeypatch, capsys) -> None:
     import kamera_sdk.fleet_cli as fleet_cli
 
@@ -178,6 +216,11 @@ def test_fleet_up_takes_the_batching_flags_and_refuses_a_contradiction_before_ra
     assert started[-1] == {"batch": False}
     assert main(["fleet", "up", "--store", "redis://127.0.0.1:1/0", "--max-held-tokens", "4096"]) == 0
     assert started[-1] == {"batch": True, "max_held_tokens": 4096}  # each replica's bound
+    loaders: list = []
+    monkeypatch.setattr(fleet_cli, "import_module", lambda name: SimpleNamespace(up=lambda a: loaders.append(a) or 0))
+    assert main(["fleet", "up", "--store", "redis://127.0.0.1:1/0", "--model", "m", "--vision-memory", "2GiB"]) == 0
+    load = pickle.loads(pickle.dumps(loaders[-1].load_engine))  # each Ray replica gets it pickled
+    assert load.args == ("m", None, None, {"vision_memory_bytes": 2 << 30})
 
     def no_fleet(name: str) -> None:
         raise AssertionError("Ray must not start for a refused command line")
