@@ -46,29 +46,26 @@ def host_of(number: int, result: dict[str, Any]) -> str:
     return _HOSTS_BEFORE_RECORDING.get(number, _EARLY)
 
 
+def _pair(ratio: float, batched_p95_s: float, sequential_p95_s: float, undrained: float | None) -> dict[str, float]:
+    pair = {"ratio": float(ratio), "batched_p95_s": float(batched_p95_s), "sequential_p95_s": float(sequential_p95_s)}
+    if undrained:
+        pair["all_running_ratio"] = float(undrained)
+    return pair
+
+
 def pairs_of(result: dict[str, Any], sessions: str) -> list[dict[str, float]]:
     """Every pair of arms the run timed at ``sessions`` (one made of the reported arms when it kept no pairs)."""
     runs = (result.get("runs") or {}).get(sessions)
     if runs:
         return [
-            {
-                "ratio": float(p["throughput_ratio"]),
-                "batched_p95_s": float(p["batched_p95_s"]),
-                "sequential_p95_s": float(p["sequential_p95_s"]),
-                **({"all_running_ratio": float(p["all_running_ratio"])} if p.get("all_running_ratio") else {}),
-            }
+            _pair(p["throughput_ratio"], p["batched_p95_s"], p["sequential_p95_s"], p.get("all_running_ratio"))
             for p in runs
         ]
     arms = (result.get("sessions") or {}).get(sessions)
     if not arms or sessions not in (result.get("throughput_ratio") or {}):
         return []
-    return [
-        {
-            "ratio": float(result["throughput_ratio"][sessions]),
-            "batched_p95_s": float(arms["batched"]["p95_s"]),
-            "sequential_p95_s": float(arms["sequential"]["p95_s"]),
-        }
-    ]
+    ratio = result["throughput_ratio"][sessions]
+    return [_pair(ratio, arms["batched"]["p95_s"], arms["sequential"]["p95_s"], None)]
 
 
 def tally(paths: list[str | Path], sessions: int = 8, target: float = 3.0) -> dict[str, Any]:
