@@ -10,9 +10,10 @@ every pair's batched p95 was at most one at a time's, the reported ratio at 32 s
 without the fixed-round loop's drain (``all_running_ratio``, recorded from run 21 on). ``--plot`` draws
 the pairs and the reported figure of each run against the target (docs/img/serve_ratio_runs.png).
 
-A result names its host under ``machine`` from run 18 on; the hosts of the runs before are those
-docs/batching.md gives them (runs 9 to 16 on a 2-core AMD EPYC with AVX-512, run 17 on one with AVX2 only);
-runs 1 to 8, on earlier code and with one pair each, are grouped apart.
+A result names its host under ``machine`` from run 18 on, and its CPU's family and model numbers (``cpu_id``)
+from run 47 on; the hosts of the runs before are those docs/batching.md and docs/serve-runs.md give them (runs 9
+to 16 on a 2-core AMD EPYC with AVX-512, run 17 on one with AVX2 only, runs 38 to 46 on an Intel Xeon of family 6
+model 207); runs 1 to 8, on earlier code and with one pair each, are grouped apart.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 _EPYC_512 = "AMD EPYC (AVX512)"
 _HOSTS_BEFORE_RECORDING = {**{n: _EPYC_512 for n in range(9, 17)}, 17: "AMD EPYC (AVX2)"}
 _EARLY = "runs 1-8 (earlier code, host not recorded)"
+# The CPU's family and model of the runs before ``cpu_id`` was recorded, where docs/serve-runs.md gives them.
+_CPU_ID_BEFORE_RECORDING = {n: "family 6 model 207" for n in range(38, 47)}
 
 
 def run_number(path: str | Path) -> int:
@@ -42,6 +45,9 @@ def host_of(number: int, result: dict[str, Any]) -> str:
     machine = result.get("machine") or {}
     if machine.get("cpu"):
         cpu = str(machine["cpu"]).replace("(R)", "").replace(" Processor", "").strip()
+        cpu_id = machine.get("cpu_id") or _CPU_ID_BEFORE_RECORDING.get(number)
+        if cpu_id:  # "family 6 model 207": the model number is what tells two same-named parts apart
+            cpu = f"{cpu} model {str(cpu_id).rsplit(' ', 1)[-1]}"
         return f"{cpu} ({machine.get('cpu_capability', '?')})"
     return _HOSTS_BEFORE_RECORDING.get(number, _EARLY)
 

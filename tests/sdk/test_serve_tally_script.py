@@ -14,7 +14,9 @@ from tests.conftest import script as load_script
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-def _result(pairs: list[tuple[float, float, float]], cpu: str | None, at_32: float = 4.5) -> dict[str, Any]:
+def _result(
+    pairs: list[tuple[float, float, float]], cpu: str | None, at_32: float = 4.5, cpu_id: str | None = None
+) -> dict[str, Any]:
     """A serve result with these (ratio, batched p95, one-at-a-time p95) pairs at 8 sessions, the median reported."""
     runs = [
         {"throughput_ratio": r, "batched_p95_s": b, "sequential_p95_s": s, "all_running_ratio": r * 1.1}
@@ -28,6 +30,8 @@ def _result(pairs: list[tuple[float, float, float]], cpu: str | None, at_32: flo
     }
     if cpu:
         out["machine"] = {"cpu": cpu, "cpu_capability": "AVX512"}
+        if cpu_id:
+            out["machine"]["cpu_id"] = cpu_id
     return out
 
 
@@ -44,10 +48,15 @@ def test_pairs_are_tallied_per_host(tmp_path: Path) -> None:
         _write(tmp_path, 40, _result([(3.2, 4.0, 16.0), (2.9, 4.1, 15.0), (3.5, 3.9, 17.0)], xeon_cpu)),
         _write(tmp_path, 41, _result([(3.1, 4.0, 16.0), (3.3, 20.0, 15.0), (3.0, 3.9, 17.0)], xeon_cpu)),
         _write(tmp_path, 20, _result([(2.8, 4.0, 16.0), (3.0, 4.0, 16.0), (2.7, 4.0, 16.0)], "AMD EPYC", at_32=3.9)),
+        # the same name, another part: its family and model recorded
+        _write(tmp_path, 47, _result([(2.5, 4.0, 16.0)], xeon_cpu, cpu_id="family 6 model 167")),
     ]
     result = tally.tally(paths, sessions=8, target=3.0)
-    assert list(result["hosts"]) == ["AMD EPYC (AVX512)", "Intel Xeon (AVX512)"]  # by run number
-    xeon = result["hosts"]["Intel Xeon (AVX512)"]
+    # by run number; runs 38-46 recorded no model, and docs/serve-runs.md gives theirs
+    xeon_207, xeon_167 = "Intel Xeon model 207 (AVX512)", "Intel Xeon model 167 (AVX512)"
+    assert list(result["hosts"]) == ["AMD EPYC (AVX512)", xeon_207, xeon_167]
+    assert result["hosts"][xeon_167]["pairs"] == 1
+    xeon = result["hosts"][xeon_207]
     assert [run["run"] for run in xeon["runs"]] == [40, 41]
     assert xeon["pairs"] == 6 and xeon["pairs_at_target"] == 5  # 2.9 misses
     assert xeon["pair_min"] == 2.9 and xeon["pair_max"] == 3.5 and xeon["pair_median"] == pytest.approx(3.15)
@@ -58,7 +67,7 @@ def test_pairs_are_tallied_per_host(tmp_path: Path) -> None:
     assert epyc["reported_at_target"] == 0 and epyc["pairs_at_target"] == 1 and epyc["p95_better_in_every_pair"]
     assert epyc["ratio_32_min"] == epyc["ratio_32_max"] == 3.9
     table = tally.table(result)
-    assert "| Intel Xeon (AVX512) | 2 (40-41) | 6 | 2.90 / 3.15 / 3.50x | 5 of 6 | 2 of 2 | 3.10x | no |" in table
+    assert f"| {xeon_207} | 2 (40-41) | 6 | 2.90 / 3.15 / 3.50x | 5 of 6 | 2 of 2 | 3.10x | no |" in table
 
 
 def test_a_run_without_pairs_counts_its_reported_arms_and_an_unrecorded_host_is_named_from_the_docs(

@@ -3,6 +3,7 @@ batched arm really batches (tiny random model behind the default tokenizer, real
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,8 @@ def test_bench_serve_reports_both_arms_and_the_ceiling(tmp_path: Path) -> None:
     assert result["repeat"] == 1
     assert result["machine"]["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "ZVECTOR")
     assert result["machine"]["cpus"] >= 1 and result["machine"]["cpu"]
+    if "cpu_id" in result["machine"]:  # x86 Linux: the family and model numbers tell two same-named parts apart
+        assert re.fullmatch(r"family \d+ model \d+", result["machine"]["cpu_id"])
     assert [r["throughput_ratio"] for r in result["runs"]["3"]] == [result["throughput_ratio"]["3"]]
     ceiling = result["ceiling"]
     assert set(ceiling["decode_step_s"]) == {"1", "8", "32"} and ceiling["decode_speedup"]["1"] == 1.0
