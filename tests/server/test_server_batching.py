@@ -112,3 +112,58 @@ def test_scheduler_options_for_a_model_that_cannot_batch_are_refused(monkeypatch
     with pytest.raises(InvalidInputError, match=refused):
         create_app(engine, kv_budget_bytes=1 << 20)
     assert _scheduler_of(create_app(engine)) is None
+
+
+def _budget_run(engine, kv_budget_bytes: int | None, together: bool, extra: str | None = None) -> tuple[list, dict]:
+    """Eight sessions ask at once (``together``) or one after another; ``extra``: a ninth session's page, asked
+    with the others. Each answer is its text, or the HTTP status and error type it got instead."""
+    app = create_app(engine, api_key="k", kv_budget_bytes=kv_budget_bytes)
+    pages = [f"Agent {i} keeps {i * 3 + 1} lamps in room {i}. " * (1 + i % 4) for i in range(8)]
+    pages += [extra] if extra is not None else []
+    out: list = [None] * len(pages)
+    with run_server(app, "k") as server:
+        c = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
+        sids = []
+        for page in pages:
+            sid = c.post("/v1/sessions").json()["id"]
+            assert c.post(f"/v1/sessions/{sid}/chunks", json={"text": page}).status_code == 201
+            sids.append(sid)
+
+        def ask(i: int) -> None:
+            body = {"prompt": f"How many lamps, agent {i}?", "max_new_tokens": 16, "stream": i % 2 == 1}
+            r = httpx.post(f"{server.url}/v1/sessions/{sids[i]}/generate", headers=AUTH, json=body, timeout=120)
+            if r.status_code != 200:
+                out[i] = (r.status_code, r.json()["error"]["type"], r.headers.get("retry-after"))
+            else:
+                out[i] = r.text if body["stream"] else r.json()["text"]
+
+        if together:
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(pages))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for i in range(len(pages)):
+                ask(i)
+        assert c.get("/healthz").status_code == 200
+        for sid in sids:  # every session goes on: its window answers its chunks
+            assert len(c.get(f"/v1/sessions/{sid}").json()["chunks"]) == 1
+        stats = c.get("/v1/engine/stats").json()
+    return out, stats
+
+
+def test_eight_sessions_past_the_budget_wait_their_turn_and_one_too_large_is_refused_alone() -> None:
+    engine = tiny_chat_engine()
+    alone, stats = _budget_run(engine, None, together=False)
+    largest = stats["kv_bytes_peak"]  # one answer at a time: the largest answer's KV
+    assert all(isinstance(a, str) for a in alone) and largest > 0
+    budget = 2 * largest  # two answers at a time at most; the other six wait
+    huge = "A long page about nothing in particular. " * 40  # its answer needs more than the whole budget
+    got, stats = _budget_run(engine, budget, together=True, extra=huge)
+    assert got[:8] == alone  # every answer that ran is its answer alone
+    assert got[8] == (429, "CapacityError", None)  # can never fit: no Retry-After
+    assert stats["refused"] == 1 and stats["failed"] == 0 and stats["finished"] == 8
+    assert 0 < stats["kv_bytes_peak"] <= budget and stats["kv_bytes"] == 0
+    free, free_stats = _budget_run(engine, None, together=True)
+    assert free == alone and free_stats["kv_bytes_peak"] > budget  # without it the eight held more at once
