@@ -18,6 +18,15 @@ from tests.server.conftest import run_server
 AUTH = {"Authorization": "Bearer k"}
 
 
+def _at_once(ask, n: int) -> None:
+    """``ask(0)`` to ``ask(n - 1)``, each on a thread of its own, all started before any is joined."""
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def _answers(batch: bool, engine) -> tuple[list[str], dict | None]:
     app = create_app(engine, api_key="k", batch=batch)
     out: list[str] = [""] * 4
@@ -36,11 +45,7 @@ def _answers(batch: bool, engine) -> tuple[list[str], dict | None]:
             r = httpx.post(f"{server.url}/v1/sessions/{sids[i]}/generate", headers=AUTH, json=body, timeout=120)
             out[i] = r.text if body["stream"] else r.json()["text"]
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _at_once(ask, 4)
         stats = c.get("/v1/engine/stats").json()
     return out, stats
 
@@ -138,11 +143,7 @@ def _budget_run(engine, kv_budget_bytes: int | None, together: bool, extra: str 
                 out[i] = r.text if body["stream"] else r.json()["text"]
 
         if together:
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(pages))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _at_once(ask, len(pages))
         else:
             for i in range(len(pages)):
                 ask(i)
